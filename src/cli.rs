@@ -1,0 +1,363 @@
+//! The command line: clap definitions (their doc comments are the `--help`
+//! text) and the one-shot commands. Long-running services live in their own
+//! modules; this file only parses, connects and dispatches.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
+
+use crate::db::issue::{ClaimScope, NewIssue};
+use crate::db::{self, DbError, DbPool, PoolOptions};
+use crate::embedded::EmbeddedError;
+use crate::input::{self, InvalidInput};
+use crate::listener::{Listener, ListenerOptions};
+use crate::settings::Settings;
+use crate::status::Status;
+use crate::tail::{self, TailStyle};
+
+/// newsnack: picks the day's hottest news issues, has an LLM write one
+/// article per issue, and assembles the top ones into a daily briefing.
+#[derive(Debug, Parser)]
+#[command(name = "newsnack", version, about, max_term_width = 100)]
+pub struct Cli {
+    /// PostgreSQL URL, e.g. postgres://user@localhost/newsnack.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the schema (idempotent; safe to run from several places at once).
+    Migrate,
+    /// Follow status transitions live until Ctrl-C.
+    Tail(TailArgs),
+    /// Claim issues for generation through the SKIP LOCKED claim; prints
+    /// what was claimed and what was skipped.
+    Claim {
+        /// Issue ids (positive integers).
+        #[arg(required = true, num_args = 1..)]
+        ids: Vec<i64>,
+    },
+    /// Count issues per status.
+    Status,
+    /// Add or show issues.
+    #[command(subcommand)]
+    Issues(IssuesCommand),
+    /// Reset FAILED issues to PENDING with a fresh retry budget.
+    Retry {
+        #[arg(required = true, num_args = 1..)]
+        ids: Vec<i64>,
+    },
+    /// Read and change runtime settings (take effect without a restart).
+    #[command(subcommand)]
+    Settings(SettingsCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct TailArgs {
+    /// Start after this log position (0 replays the whole history);
+    /// default: from now on.
+    #[arg(long, value_name = "SEQ")]
+    pub since: Option<i64>,
+    /// Only this issue's transitions.
+    #[arg(long, value_name = "ID")]
+    pub issue: Option<i64>,
+    /// Only transitions into this status.
+    #[arg(long, value_name = "STATUS")]
+    pub status: Option<Status>,
+    /// One JSON object per line (seq, issue_id, from, to, at).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum IssuesCommand {
+    /// Add one issue from flags, or many from a JSON file
+    /// (`[{"title":..,"body":..,"score":..}]` or `{"issues":[..]}`).
+    Add {
+        #[arg(long, required_unless_present = "file", conflicts_with = "file")]
+        title: Option<String>,
+        #[arg(long, default_value = "")]
+        body: String,
+        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+        score: f64,
+        /// RFC 3339 time the issue was collected (default: now).
+        #[arg(long, value_parser = parse_rfc3339)]
+        collected_at: Option<OffsetDateTime>,
+        /// A JSON file of issues ("-" for standard input).
+        #[arg(long)]
+        file: Option<std::path::PathBuf>,
+    },
+    /// Show one issue as JSON.
+    Show { id: i64 },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SettingsCommand {
+    /// Every setting with its value, default, bounds and meaning.
+    List,
+    /// One setting's value.
+    Get { key: String },
+    /// Change a setting; running services pick it up on next use.
+    Set { key: String, value: String },
+}
+
+fn parse_rfc3339(s: &str) -> Result<OffsetDateTime, String> {
+    OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
+        .map_err(|e| format!("not an RFC 3339 time ({e}), e.g. 2026-11-29T08:00:00Z"))
+}
+
+/// A command that could not be carried out.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("DATABASE_URL is not set: pass --database-url or set DATABASE_URL")]
+    NoDatabase,
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Input(#[from] InvalidInput),
+    #[error(transparent)]
+    Embedded(#[from] EmbeddedError),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Runs a parsed command line and returns the process exit code.
+pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
+    let url = cli.database_url.clone();
+    match cli.command {
+        Command::Migrate => migrate(&required(url)?).await,
+        Command::Tail(args) => tail(&required(url)?, args).await,
+        Command::Claim { ids } => claim(&required(url)?, &ids).await,
+        Command::Status => status(&required(url)?).await,
+        Command::Issues(cmd) => issues(&required(url)?, cmd).await,
+        Command::Retry { ids } => retry(&required(url)?, &ids).await,
+        Command::Settings(cmd) => settings(&required(url)?, cmd).await,
+    }
+}
+
+fn required(url: Option<String>) -> Result<String, CliError> {
+    url.filter(|u| !u.trim().is_empty()).ok_or(CliError::NoDatabase)
+}
+
+/// A small pool for a one-shot command, checked by taking one connection so
+/// a dead URL fails here with the server's reason.
+async fn open(url: &str) -> Result<(DbPool, tokio_postgres::Config), CliError> {
+    let config = db::pg_config(url, "newsnack-cli")?;
+    let pool = db::pool(
+        config.clone(),
+        &PoolOptions {
+            max_size: 4,
+            wait_timeout: Duration::from_secs(10),
+        },
+    )?;
+    drop(pool.get().await.map_err(DbError::from)?);
+    Ok((pool, config))
+}
+
+async fn migrate(url: &str) -> Result<ExitCode, CliError> {
+    let config = db::pg_config(url, "newsnack-migrate")?;
+    let mut client = db::connect(&config).await?;
+    let report = db::migrate::migrate(&mut client).await?;
+    if report.applied.is_empty() {
+        println!("schema is up to date (version {})", report.current);
+    } else {
+        println!(
+            "applied migrations {:?}; schema is at version {}",
+            report.applied, report.current
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn tail(url: &str, args: TailArgs) -> Result<ExitCode, CliError> {
+    let (pool, config) = open(url).await?;
+    let shutdown = CancellationToken::new();
+    crate::shutdown::cancel_on_signal(shutdown.clone());
+    let (hub, _listener) =
+        Listener::start(config, pool, ListenerOptions::default(), shutdown.clone()).await?;
+    let start = args.since.unwrap_or_else(|| hub.status().borrow().last_seq);
+    let mut stream = hub.stream_after(start, args.issue);
+    let style = if args.json {
+        TailStyle::Json
+    } else if std::io::stdout().is_terminal() {
+        TailStyle::Color
+    } else {
+        TailStyle::Plain
+    };
+    let mut out = std::io::stdout().lock();
+    loop {
+        let next = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(ExitCode::SUCCESS),
+            next = stream.next() => next,
+        };
+        let t = next.map_err(|e| CliError::Failed(e.to_string()))?;
+        if args.status.is_some_and(|s| s != t.to) {
+            continue;
+        }
+        let line = tail::render(&t, style);
+        if writeln!(out, "{line}").and_then(|_| out.flush()).is_err() {
+            // The reader went away (e.g. `| head`): that is a normal end.
+            return Ok(ExitCode::SUCCESS);
+        }
+    }
+}
+
+async fn claim(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
+    input::check_ids("ids", ids)?;
+    let (pool, _) = open(url).await?;
+    let settings = Settings::load(&pool).await?;
+    let client = pool.get().await.map_err(DbError::from)?;
+    let worker = format!("cli:{}", std::process::id());
+    let outcome =
+        db::issue::claim_issues(&client, ids, &worker, settings.lease(), ClaimScope::Claimable)
+            .await?;
+    println!(
+        "{}",
+        serde_json::json!({"claimed": outcome.claimed_ids(), "skipped": outcome.skipped})
+    );
+    Ok(if outcome.claimed.is_empty() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+async fn status(url: &str) -> Result<ExitCode, CliError> {
+    let (pool, _) = open(url).await?;
+    let client = pool.get().await.map_err(DbError::from)?;
+    let counts = db::issue::count_by_status(&client).await?;
+    let total: i64 = counts.iter().map(|(_, n)| n).sum();
+    for (status, n) in counts {
+        println!("{:<12} {n:>8}", status.as_str());
+    }
+    println!("{:<12} {total:>8}", "total");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn issues(url: &str, cmd: IssuesCommand) -> Result<ExitCode, CliError> {
+    match cmd {
+        IssuesCommand::Add {
+            title,
+            body,
+            score,
+            collected_at,
+            file,
+        } => {
+            let new = match (title, file) {
+                (Some(title), None) => vec![NewIssue {
+                    title,
+                    body,
+                    score,
+                    collected_at,
+                }],
+                (None, Some(path)) => read_issue_file(&path)?,
+                _ => return Err(CliError::Failed("give either --title or --file".into())),
+            };
+            input::check_new_issues(&new)?;
+            let (pool, _) = open(url).await?;
+            let client = pool.get().await.map_err(DbError::from)?;
+            let ids = db::issue::insert_issues(&client, &new).await?;
+            println!("{}", serde_json::json!({ "ids": ids }));
+            Ok(ExitCode::SUCCESS)
+        }
+        IssuesCommand::Show { id } => {
+            let (pool, _) = open(url).await?;
+            let client = pool.get().await.map_err(DbError::from)?;
+            match db::issue::get_issue(&client, id).await? {
+                Some(issue) => {
+                    println!("{}", serde_json::to_string_pretty(&issue).unwrap_or_default());
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => Err(CliError::Failed(format!("no issue with id {id}"))),
+            }
+        }
+    }
+}
+
+/// The JSON shapes accepted for a batch of issues.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum IssueFile {
+    Wrapped { issues: Vec<crate::api_types::NewIssueJson> },
+    List(Vec<crate::api_types::NewIssueJson>),
+}
+
+fn read_issue_file(path: &std::path::Path) -> Result<Vec<NewIssue>, CliError> {
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())
+    } else {
+        std::fs::read_to_string(path)
+    }
+    .map_err(|e| CliError::Failed(format!("cannot read {}: {e}", path.display())))?;
+    let parsed: IssueFile = serde_json::from_str(&text).map_err(|e| {
+        CliError::Failed(format!(
+            "{} is not a JSON list of issues ({e}); expected [{{\"title\":..,\"body\":..,\"score\":..}}]",
+            path.display()
+        ))
+    })?;
+    let list = match parsed {
+        IssueFile::Wrapped { issues } | IssueFile::List(issues) => issues,
+    };
+    Ok(list.into_iter().map(NewIssue::from).collect())
+}
+
+async fn retry(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
+    input::check_ids("ids", ids)?;
+    let (pool, _) = open(url).await?;
+    let client = pool.get().await.map_err(DbError::from)?;
+    let reset = db::issue::reset_failed(&client, ids).await?;
+    let not_failed: Vec<i64> = ids
+        .iter()
+        .copied()
+        .filter(|id| !reset.contains(id))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    println!("{}", serde_json::json!({"reset": reset, "not_failed": not_failed}));
+    Ok(if reset.is_empty() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+async fn settings(url: &str, cmd: SettingsCommand) -> Result<ExitCode, CliError> {
+    let (pool, _) = open(url).await?;
+    let client = pool.get().await.map_err(DbError::from)?;
+    match cmd {
+        SettingsCommand::List => {
+            for s in db::setting::list(&client).await? {
+                println!(
+                    "{:<28} {:>8}  (default {}, {}..{})  {}",
+                    s.key, s.value, s.default_value, s.min_value, s.max_value, s.description
+                );
+            }
+        }
+        SettingsCommand::Get { key } => {
+            let all = db::setting::list(&client).await?;
+            match all.iter().find(|s| s.key == key) {
+                Some(s) => println!("{}", s.value),
+                None => {
+                    let known: Vec<&str> = all.iter().map(|s| s.key.as_str()).collect();
+                    return Err(CliError::Failed(format!(
+                        "unknown setting {key:?} (known: {})",
+                        known.join(", ")
+                    )));
+                }
+            }
+        }
+        SettingsCommand::Set { key, value } => {
+            let stored = db::setting::set(&client, &key, &value).await?;
+            println!("{key} = {stored}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,278 @@
+//! Queries on `issue`: adding, reading, counting, claiming (the one
+//! `FOR NO KEY UPDATE SKIP LOCKED` statement), heartbeats and resets.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use deadpool_postgres::GenericClient;
+use serde::Serialize;
+use time::OffsetDateTime;
+
+use super::DbError;
+use crate::status::Status;
+
+/// An issue to add.
+#[derive(Debug, Clone)]
+pub struct NewIssue {
+    pub title: String,
+    pub body: String,
+    pub score: f64,
+    pub collected_at: Option<OffsetDateTime>,
+}
+
+/// An issue as the API and CLI show it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct IssueView {
+    pub id: i64,
+    pub title: String,
+    pub body: String,
+    pub score: f64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub collected_at: OffsetDateTime,
+    pub status: Status,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    pub updated_at: OffsetDateTime,
+    pub claimed_by: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub lease_until: Option<OffsetDateTime>,
+}
+
+/// One issue won by a claim, with what a writer needs to generate it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedIssue {
+    pub id: i64,
+    /// The fencing token: only this claim may complete or fail the issue.
+    pub claim_id: i64,
+    pub attempts: i32,
+    pub title: String,
+    pub body: String,
+    pub lease_until: OffsetDateTime,
+}
+
+/// What a claim did with each requested id.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClaimOutcome {
+    pub claimed: Vec<ClaimedIssue>,
+    /// Requested ids not claimed: locked by another claim, not `PENDING` or
+    /// `FAILED`, or unknown. Sorted, without duplicates.
+    pub skipped: Vec<i64>,
+}
+
+impl ClaimOutcome {
+    pub fn claimed_ids(&self) -> Vec<i64> {
+        self.claimed.iter().map(|c| c.id).collect()
+    }
+}
+
+/// Which issues a claim may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimScope {
+    /// `PENDING` or `FAILED`, whatever the attempts so far: an explicit request.
+    Claimable,
+    /// Only `FAILED` issues with fewer than this many attempts: a retry.
+    RetryBelow(i32),
+}
+
+/// Adds issues in one statement; returns their ids in input order.
+pub async fn insert_issues(
+    client: &impl GenericClient,
+    issues: &[NewIssue],
+) -> Result<Vec<i64>, DbError> {
+    let titles: Vec<&str> = issues.iter().map(|i| i.title.as_str()).collect();
+    let bodies: Vec<&str> = issues.iter().map(|i| i.body.as_str()).collect();
+    let scores: Vec<f64> = issues.iter().map(|i| i.score).collect();
+    let collected: Vec<Option<OffsetDateTime>> = issues.iter().map(|i| i.collected_at).collect();
+    let statement = client
+        .prepare_cached(
+            "INSERT INTO issue (title, body, score, collected_at)
+             SELECT t, b, s, COALESCE(c, now())
+               FROM unnest($1::text[], $2::text[], $3::float8[], $4::timestamptz[])
+                    WITH ORDINALITY AS n(t, b, s, c, ord)
+              ORDER BY ord
+             RETURNING id",
+        )
+        .await?;
+    let rows = client
+        .query(&statement, &[&titles, &bodies, &scores, &collected])
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+const VIEW_COLUMNS: &str = "id, title, body, score, collected_at, processing_status, attempts, \
+                            last_error, updated_at, claimed_by, lease_until";
+
+fn view_from_row(row: &tokio_postgres::Row) -> Result<IssueView, DbError> {
+    let status: String = row.get(5);
+    Ok(IssueView {
+        id: row.get(0),
+        title: row.get(1),
+        body: row.get(2),
+        score: row.get(3),
+        collected_at: row.get(4),
+        status: status
+            .parse()
+            .map_err(|e| DbError::Invalid(format!("{e}")))?,
+        attempts: row.get(6),
+        last_error: row.get(7),
+        updated_at: row.get(8),
+        claimed_by: row.get(9),
+        lease_until: row.get(10),
+    })
+}
+
+/// One issue, or `None` if there is no such id.
+pub async fn get_issue(client: &impl GenericClient, id: i64) -> Result<Option<IssueView>, DbError> {
+    let statement = client
+        .prepare_cached(&format!("SELECT {VIEW_COLUMNS} FROM issue WHERE id = $1"))
+        .await?;
+    client
+        .query_opt(&statement, &[&id])
+        .await?
+        .as_ref()
+        .map(view_from_row)
+        .transpose()
+}
+
+/// Several issues by id, in id order; unknown ids are simply absent.
+pub async fn get_issues(client: &impl GenericClient, ids: &[i64]) -> Result<Vec<IssueView>, DbError> {
+    let statement = client
+        .prepare_cached(&format!(
+            "SELECT {VIEW_COLUMNS} FROM issue WHERE id = ANY($1) ORDER BY id"
+        ))
+        .await?;
+    client
+        .query(&statement, &[&ids])
+        .await?
+        .iter()
+        .map(view_from_row)
+        .collect()
+}
+
+/// How many issues are in each status (every status listed, zeros included).
+pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status, i64)>, DbError> {
+    let rows = client
+        .query(
+            "SELECT processing_status, count(*) FROM issue GROUP BY processing_status",
+            &[],
+        )
+        .await?;
+    let mut counts: Vec<(Status, i64)> = Status::ALL.iter().map(|&s| (s, 0)).collect();
+    for row in rows {
+        let status: String = row.get(0);
+        let status: Status = status.parse().map_err(|e| DbError::Invalid(format!("{e}")))?;
+        if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == status) {
+            slot.1 = row.get(1);
+        }
+    }
+    Ok(counts)
+}
+
+/// Claims, in one statement, every requested issue that is claimable and not
+/// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
+/// token (the trigger bumps `attempts` and allocates `claim_id`), records the
+/// holder and the lease deadline.
+///
+/// `FOR NO KEY UPDATE` rather than `FOR UPDATE`: inserting an `ai_article`
+/// takes `FOR KEY SHARE` on its issue, which `FOR UPDATE SKIP LOCKED` would
+/// treat as a conflict and skip. The locked set is a materialised CTE so it
+/// is computed exactly once.
+pub async fn claim_issues(
+    client: &impl GenericClient,
+    ids: &[i64],
+    worker: &str,
+    lease: Duration,
+    scope: ClaimScope,
+) -> Result<ClaimOutcome, DbError> {
+    let statement = client
+        .prepare_cached(
+            "WITH requested AS (
+                 SELECT DISTINCT id FROM unnest($1::bigint[]) AS r(id)
+             ), claimable AS MATERIALIZED (
+                 SELECT i.id
+                   FROM issue i JOIN requested r ON r.id = i.id
+                  WHERE CASE WHEN $4::integer IS NULL
+                             THEN i.processing_status IN ('PENDING', 'FAILED')
+                             ELSE i.processing_status = 'FAILED' AND i.attempts < $4::integer
+                        END
+                  ORDER BY i.id
+                    FOR NO KEY UPDATE OF i SKIP LOCKED
+             )
+             UPDATE issue i
+                SET processing_status = 'IN_PROGRESS',
+                    claimed_by = $2,
+                    lease_until = now() + make_interval(secs => $3::float8)
+               FROM claimable c
+              WHERE i.id = c.id
+          RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until",
+        )
+        .await?;
+    let retry_below: Option<i32> = match scope {
+        ClaimScope::Claimable => None,
+        ClaimScope::RetryBelow(max) => Some(max),
+    };
+    let rows = client
+        .query(
+            &statement,
+            &[&ids, &worker, &lease.as_secs_f64(), &retry_below],
+        )
+        .await?;
+    let mut claimed: Vec<ClaimedIssue> = rows
+        .iter()
+        .map(|r| ClaimedIssue {
+            id: r.get(0),
+            claim_id: r.get(1),
+            attempts: r.get(2),
+            title: r.get(3),
+            body: r.get(4),
+            lease_until: r.get(5),
+        })
+        .collect();
+    claimed.sort_by_key(|c| c.id);
+    let won: BTreeSet<i64> = claimed.iter().map(|c| c.id).collect();
+    let skipped: Vec<i64> = ids
+        .iter()
+        .copied()
+        .collect::<BTreeSet<i64>>()
+        .into_iter()
+        .filter(|id| !won.contains(id))
+        .collect();
+    Ok(ClaimOutcome { claimed, skipped })
+}
+
+/// Extends a live claim's lease. False when the claim is no longer current
+/// (completed, reaped, or re-claimed by someone else).
+pub async fn heartbeat(
+    client: &impl GenericClient,
+    id: i64,
+    claim_id: i64,
+    lease: Duration,
+) -> Result<bool, DbError> {
+    let statement = client
+        .prepare_cached(
+            "UPDATE issue SET lease_until = now() + make_interval(secs => $3::float8)
+              WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS'",
+        )
+        .await?;
+    Ok(client
+        .execute(&statement, &[&id, &claim_id, &lease.as_secs_f64()])
+        .await?
+        == 1)
+}
+
+/// Operator reset `FAILED -> PENDING` with a fresh retry budget; returns the
+/// ids that were reset (those that were `FAILED`).
+pub async fn reset_failed(client: &impl GenericClient, ids: &[i64]) -> Result<Vec<i64>, DbError> {
+    let rows = client
+        .query(
+            "UPDATE issue SET processing_status = 'PENDING'
+              WHERE id = ANY($1) AND processing_status = 'FAILED'
+          RETURNING id",
+            &[&ids],
+        )
+        .await?;
+    let mut reset: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    reset.sort_unstable();
+    Ok(reset)
+}

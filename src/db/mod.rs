@@ -1,0 +1,143 @@
+//! PostgreSQL access: the connection pool, migrations, and every query the
+//! service runs, one file per table. Nothing outside this module writes SQL.
+
+pub mod advisory;
+pub mod issue;
+pub mod migrate;
+pub mod setting;
+pub mod transition;
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+/// The pooled connections every request and worker borrows from.
+pub type DbPool = Pool;
+
+/// Errors from talking to PostgreSQL.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("invalid database URL: {0}")]
+    BadUrl(String),
+    #[error("no database connection available: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    #[error("database error: {}", describe(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl DbError {
+    /// The PostgreSQL error code, when the server sent one.
+    pub fn code(&self) -> Option<&tokio_postgres::error::SqlState> {
+        match self {
+            DbError::Postgres(e) => e.code(),
+            DbError::Pool(deadpool_postgres::PoolError::Backend(e)) => e.code(),
+            _ => None,
+        }
+    }
+
+    /// The server's own message (e.g. a trigger's RAISE), when there is one.
+    pub fn server_message(&self) -> Option<&str> {
+        match self {
+            DbError::Postgres(e) => e.as_db_error().map(|d| d.message()),
+            _ => None,
+        }
+    }
+
+    /// True when the pool could not hand out a connection in time.
+    pub fn is_pool_exhausted(&self) -> bool {
+        matches!(
+            self,
+            DbError::Pool(deadpool_postgres::PoolError::Timeout(_))
+        )
+    }
+}
+
+/// Renders a tokio-postgres error with the server's message when it has one
+/// (its `Display` alone says only "db error").
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => db.message().to_string(),
+        None => {
+            let mut text = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(s) = source {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                source = s.source();
+            }
+            text
+        }
+    }
+}
+
+/// Parses a URL into a connection config tagged with `application_name`
+/// (so `pg_stat_activity` and `newsnack locks` say who is who) and TCP
+/// keepalives (so a half-open connection is noticed).
+pub fn pg_config(url: &str, application_name: &str) -> Result<tokio_postgres::Config, DbError> {
+    let mut config: tokio_postgres::Config =
+        url.parse().map_err(|e: tokio_postgres::Error| DbError::BadUrl(describe(&e)))?;
+    if config.get_application_name().is_none() {
+        config.application_name(application_name);
+    }
+    config
+        .connect_timeout(Duration::from_secs(5))
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(10))
+        .keepalives_interval(Duration::from_secs(5))
+        .keepalives_retries(3);
+    Ok(config)
+}
+
+/// How a pool behaves when it is busy.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    pub max_size: usize,
+    /// How long a caller waits for a free connection before giving up.
+    pub wait_timeout: Duration,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            max_size: 16,
+            wait_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Builds a pool. Connections are opened lazily, on first use.
+pub fn pool(
+    config: tokio_postgres::Config,
+    options: &PoolOptions,
+) -> Result<DbPool, DbError> {
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(options.max_size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(options.wait_timeout))
+        .create_timeout(Some(Duration::from_secs(5)))
+        .build()
+        .map_err(|e| DbError::Invalid(format!("cannot build the connection pool: {e}")))
+}
+
+/// Opens one connection outside any pool and drives it in the background.
+/// For sessions that must not go back to a pool: advisory-lock holders and
+/// one-shot commands.
+pub async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Client, DbError> {
+    let (client, connection) = config.connect(NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "dedicated connection closed");
+        }
+    });
+    Ok(client)
+}

@@ -1,0 +1,52 @@
+//! Reads of the durable transition log `issue_transition`. Rows are only
+//! ever appended, by the trigger in `sql/0002_transitions.sql`.
+
+use tokio_postgres::GenericClient;
+
+use super::DbError;
+use crate::transition::Transition;
+
+/// Up to `limit` transitions after `after_seq`, in `seq` order, optionally
+/// for one issue only. Because `seq` is allocated in commit order, a reader
+/// that resumes from the last `seq` it saw never skips a row.
+pub async fn read_after(
+    client: &impl GenericClient,
+    after_seq: i64,
+    issue_id: Option<i64>,
+    limit: i64,
+) -> Result<Vec<Transition>, DbError> {
+    let rows = client
+        .query(
+            "SELECT seq, issue_id, from_status, to_status, at
+               FROM issue_transition
+              WHERE seq > $1 AND ($2::bigint IS NULL OR issue_id = $2)
+              ORDER BY seq
+              LIMIT $3",
+            &[&after_seq, &issue_id, &limit],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            let from: Option<String> = row.get(2);
+            let to: String = row.get(3);
+            Ok(Transition {
+                seq: row.get(0),
+                issue_id: row.get(1),
+                from: from
+                    .map(|s| s.parse())
+                    .transpose()
+                    .map_err(|e| DbError::Invalid(format!("{e}")))?,
+                to: to.parse().map_err(|e| DbError::Invalid(format!("{e}")))?,
+                at: row.get(4),
+            })
+        })
+        .collect()
+}
+
+/// The newest `seq` in the log, 0 when it is empty.
+pub async fn last_seq(client: &impl GenericClient) -> Result<i64, DbError> {
+    let row = client
+        .query_one("SELECT COALESCE(max(seq), 0) FROM issue_transition", &[])
+        .await?;
+    Ok(row.get(0))
+}

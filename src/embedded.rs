@@ -1,0 +1,316 @@
+//! The zero-configuration default: a private, throwaway PostgreSQL cluster
+//! started from the machine's server binaries on a free loopback port and
+//! stopped (and deleted) when dropped.
+//!
+//! `initdb` refuses to run as root, so under root the cluster is created and
+//! run as the `postgres` system user. The server is a child of a keeper
+//! thread that lives as long as the cluster; the child asks the kernel for
+//! SIGQUIT when that thread dies, so even a SIGKILLed newsnack leaves no
+//! server behind.
+
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Why the embedded cluster could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbeddedError {
+    #[error(
+        "no PostgreSQL server binaries found (looked on PATH, via pg_config --bindir and under /usr/lib/postgresql/*/bin): \
+         install PostgreSQL 13 or newer (e.g. `apt-get install postgresql`) or set DATABASE_URL"
+    )]
+    NoBinaries,
+    #[error(
+        "running as root, and initdb refuses root: create a `postgres` system user \
+         (e.g. `useradd --system postgres`) or set DATABASE_URL"
+    )]
+    NoUnprivilegedUser,
+    #[error("{step} failed: {detail}")]
+    Step { step: &'static str, detail: String },
+    #[error("I/O error while preparing the cluster: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Server settings for the throwaway cluster.
+#[derive(Debug, Clone)]
+pub struct EmbeddedOptions {
+    /// `fsync` and synchronous commit. Off is fine for tests and demos.
+    pub durable: bool,
+    /// Extra `-c name=value` server settings.
+    pub settings: Vec<(String, String)>,
+}
+
+impl Default for EmbeddedOptions {
+    fn default() -> Self {
+        EmbeddedOptions {
+            durable: true,
+            settings: vec![("max_connections".into(), "200".into())],
+        }
+    }
+}
+
+/// A running throwaway cluster. Dropping it stops the server and deletes its
+/// files.
+pub struct EmbeddedPostgres {
+    port: u16,
+    dir: Option<tempfile::TempDir>,
+    stop: Option<mpsc::Sender<()>>,
+    keeper: Option<JoinHandle<()>>,
+}
+
+const SUPERUSER: &str = "postgres";
+
+impl EmbeddedPostgres {
+    /// Creates and starts a cluster. Blocking: call it from a plain thread
+    /// or `spawn_blocking`.
+    pub fn start(options: &EmbeddedOptions) -> Result<Self, EmbeddedError> {
+        let bin = find_bin_dir().ok_or(EmbeddedError::NoBinaries)?;
+        let run_as = unprivileged_user()?;
+        let dir = tempfile::Builder::new().prefix("newsnack-pg-").tempdir()?;
+        if let Some((uid, gid)) = run_as {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
+        }
+        let data = dir.path().join("data");
+        let log_path = dir.path().join("server.log");
+
+        let mut initdb = Command::new(bin.join("initdb"));
+        initdb
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", SUPERUSER, "-A", "trust", "-E", "UTF8", "--no-locale", "--no-sync"])
+            .current_dir(dir.path());
+        as_user(&mut initdb, run_as);
+        let out = initdb.output()?;
+        if !out.status.success() {
+            return Err(EmbeddedError::Step {
+                step: "initdb",
+                detail: last_lines(&String::from_utf8_lossy(&out.stderr), 5),
+            });
+        }
+
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = free_port()?;
+            let log = std::fs::File::create(&log_path)?;
+            if let Some((uid, gid)) = run_as {
+                std::os::unix::fs::chown(&log_path, Some(uid), Some(gid))?;
+            }
+            let mut server = Command::new(bin.join("postgres"));
+            server
+                .arg("-D")
+                .arg(&data)
+                .arg("-p")
+                .arg(port.to_string())
+                .arg("-c")
+                .arg("listen_addresses=127.0.0.1")
+                .arg("-c")
+                .arg(format!("unix_socket_directories={}", dir.path().display()))
+                .current_dir(dir.path())
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log);
+            if !options.durable {
+                server.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
+            }
+            for (name, value) in &options.settings {
+                server.arg("-c").arg(format!("{name}={value}"));
+            }
+            as_user(&mut server, run_as);
+            // SAFETY: prctl is async-signal-safe; it runs in the child after
+            // fork (and after the uid change, which would clear it).
+            unsafe {
+                server.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            let (child, stop, keeper) = spawn_kept(server)?;
+            let mut cluster = EmbeddedPostgres {
+                port,
+                dir: None,
+                stop: Some(stop),
+                keeper: Some(keeper),
+            };
+            match wait_ready(&bin, port, child) {
+                Ok(()) => {
+                    cluster.dir = Some(dir);
+                    return Ok(cluster);
+                }
+                Err(e) => {
+                    cluster.shutdown();
+                    last_error = format!(
+                        "{e}; server log: {}",
+                        last_lines(&std::fs::read_to_string(&log_path).unwrap_or_default(), 5)
+                    );
+                }
+            }
+        }
+        Err(EmbeddedError::Step {
+            step: "starting postgres",
+            detail: last_error,
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A URL for `database` on this cluster, as the superuser.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://{SUPERUSER}@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// The directory holding the cluster and its `server.log`.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_ref().map(|d| d.path())
+    }
+
+    /// Stops the server (fast shutdown) and waits for it to exit.
+    pub fn shutdown(&mut self) {
+        drop(self.stop.take());
+        if let Some(keeper) = self.keeper.take() {
+            let _ = keeper.join();
+        }
+    }
+}
+
+impl Drop for EmbeddedPostgres {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Starts `command` from a thread that stays alive until told to stop, so
+/// the child's parent-death signal fires only when the process goes away.
+fn spawn_kept(mut command: Command) -> Result<(u32, mpsc::Sender<()>, JoinHandle<()>), EmbeddedError> {
+    let (started_tx, started_rx) = mpsc::channel::<std::io::Result<u32>>();
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    let keeper = std::thread::Builder::new()
+        .name("newsnack-pg-keeper".into())
+        .spawn(move || {
+            let mut child: Child = match command.spawn() {
+                Ok(child) => child,
+                Err(e) => {
+                    let _ = started_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = started_tx.send(Ok(child.id()));
+            // Blocks until stop is requested or the owner is dropped.
+            let _ = stop_rx.recv();
+            stop_child(&mut child);
+        })?;
+    let pid = started_rx
+        .recv()
+        .map_err(|_| EmbeddedError::Step {
+            step: "starting postgres",
+            detail: "keeper thread died".into(),
+        })??;
+    Ok((pid, stop_tx, keeper))
+}
+
+/// SIGINT is PostgreSQL's fast shutdown; escalate to SIGKILL after 15 s.
+fn stop_child(child: &mut Child) {
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    // SAFETY: plain kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn wait_ready(bin: &Path, port: u16, pid: u32) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        // SAFETY: signal 0 only checks that the process exists.
+        if unsafe { libc::kill(pid as libc::pid_t, 0) } != 0 {
+            return Err("postgres exited during start-up".into());
+        }
+        let ready = Command::new(bin.join("pg_isready"))
+            .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string(), "-U", SUPERUSER])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if ready {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err("postgres did not accept connections within 30 s".into())
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn as_user(command: &mut Command, run_as: Option<(u32, u32)>) {
+    if let Some((uid, gid)) = run_as {
+        command.uid(uid).gid(gid);
+    }
+}
+
+/// `None` when not root; the `postgres` user's ids when root.
+fn unprivileged_user() -> Result<Option<(u32, u32)>, EmbeddedError> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(None);
+    }
+    let name = std::ffi::CString::new(SUPERUSER).expect("no NUL in a constant");
+    // SAFETY: getpwnam returns a pointer into static storage or NULL; the
+    // fields are copied out immediately, before any other call.
+    let entry = unsafe { libc::getpwnam(name.as_ptr()) };
+    if entry.is_null() {
+        return Err(EmbeddedError::NoUnprivilegedUser);
+    }
+    let (uid, gid) = unsafe { ((*entry).pw_uid, (*entry).pw_gid) };
+    Ok(Some((uid, gid)))
+}
+
+/// Where `initdb` and `postgres` live: on PATH, via `pg_config --bindir`, or
+/// the newest `/usr/lib/postgresql/*/bin`.
+pub fn find_bin_dir() -> Option<PathBuf> {
+    let has_server = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
+    if let Some(path) = std::env::var_os("PATH") {
+        if let Some(dir) = std::env::split_paths(&path).find(|d| has_server(d)) {
+            return Some(dir);
+        }
+    }
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && has_server(&dir) {
+            return Some(dir);
+        }
+    }
+    let mut candidates: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let version = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            Some((version, e.path().join("bin")))
+        })
+        .filter(|(_, dir)| has_server(dir))
+        .collect();
+    candidates.sort();
+    candidates.pop().map(|(_, dir)| dir)
+}
+
+fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
+}

@@ -1,0 +1,35 @@
+//! newsnack: the content pipeline of a daily news briefing, over PostgreSQL.
+//!
+//! Issues are claimed with `FOR NO KEY UPDATE SKIP LOCKED`, every status
+//! change is enforced, logged and announced by the database itself, and the
+//! service reacts to those announcements instead of polling.
+//!
+//! A map of the crate:
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`cli`] | the command line: parsing, one-shot commands, dispatch |
+//! | [`db`] | the pool, migrations, advisory lock keys, every SQL query |
+//! | [`embedded`] | the throwaway PostgreSQL for the zero-config default |
+//! | [`listener`] | the one LISTEN connection and the subscriber hub |
+//! | [`stream`] | gapless, resumable transition streams over the log |
+//! | [`machine`] | the typed `statig` lifecycle of an issue |
+//! | [`status`], [`transition`] | the domain types the log speaks in |
+//! | [`settings`] | typed runtime settings, re-read when announced |
+//! | [`input`] | validation of ids and new issues, shared by API and CLI |
+//! | [`tail`] | how the live tail prints a transition |
+//! | [`shutdown`] | the one shutdown signal |
+
+pub mod api_types;
+pub mod cli;
+pub mod db;
+pub mod embedded;
+pub mod input;
+pub mod listener;
+pub mod machine;
+pub mod settings;
+pub mod shutdown;
+pub mod status;
+pub mod stream;
+pub mod tail;
+pub mod transition;

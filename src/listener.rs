@@ -1,0 +1,362 @@
+//! The one LISTEN connection of a process and the hub that fans its
+//! transitions out to any number of in-process subscribers.
+//!
+//! NOTIFY is the doorbell, `issue_transition` is the truth. The listener owns
+//! a dedicated connection outside the pool (a pool drives its connections
+//! itself and would drop notifications), drives it with `poll_message`, and
+//! publishes transitions strictly in `seq` order, each exactly once:
+//!
+//! * a notification whose `seq` follows the last published one is published
+//!   straight from its payload;
+//! * any jump in `seq`, an unreadable payload, or a new session after a lost
+//!   one triggers a catch-up read of the log from the last published `seq`.
+//!
+//! A lost connection (network, `pg_terminate_backend`, server restart) is
+//! retried with capped exponential backoff; TCP keepalive plus a health query
+//! every few seconds make sure a half-open connection is noticed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_postgres::{AsyncMessage, Client, NoTls, Notification};
+use tokio_util::sync::CancellationToken;
+
+use crate::db::{self, DbError, DbPool};
+use crate::stream::TransitionStream;
+use crate::transition::Transition;
+
+/// The channel transitions are announced on (fixed by the contract).
+pub const TRANSITION_CHANNEL: &str = "issue_transition";
+/// The channel setting changes are announced on.
+pub const SETTINGS_CHANNEL: &str = "setting_changed";
+
+/// How the listener behaves; the defaults suit production.
+#[derive(Debug, Clone)]
+pub struct ListenerOptions {
+    /// How often the listening session is asked `SELECT 1`.
+    pub health_interval: Duration,
+    /// How long that query may take before the session is declared dead.
+    pub health_timeout: Duration,
+    /// First and largest pause between reconnect attempts.
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    /// Transitions buffered per subscriber before it lags and must re-read
+    /// the log.
+    pub capacity: usize,
+}
+
+impl Default for ListenerOptions {
+    fn default() -> Self {
+        ListenerOptions {
+            health_interval: Duration::from_secs(5),
+            health_timeout: Duration::from_secs(3),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            capacity: 4096,
+        }
+    }
+}
+
+/// What the listener is doing, for readiness checks and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListenerStatus {
+    pub connected: bool,
+    /// The PostgreSQL backend pid of the listening session.
+    pub backend_pid: Option<i32>,
+    /// Sessions lost so far.
+    pub reconnects: u64,
+    /// The last `seq` published to subscribers.
+    pub last_seq: i64,
+}
+
+/// The subscriber side: cheap to clone, shared by every task of a process.
+#[derive(Clone)]
+pub struct TransitionHub {
+    inner: Arc<HubInner>,
+}
+
+struct HubInner {
+    events: broadcast::Sender<Transition>,
+    status: watch::Receiver<ListenerStatus>,
+    settings_changed: watch::Receiver<u64>,
+    pool: DbPool,
+}
+
+impl TransitionHub {
+    /// Live transitions from now on. A receiver that falls more than the
+    /// buffer behind gets `Lagged`; use [`TransitionHub::stream_after`] for a
+    /// stream that recovers from the log instead.
+    pub fn subscribe(&self) -> broadcast::Receiver<Transition> {
+        self.inner.events.subscribe()
+    }
+
+    /// A gapless, duplicate-free stream of every transition after `seq`:
+    /// history from the log, then live, recovering from the log whenever it
+    /// falls behind.
+    pub fn stream_after(&self, seq: i64, issue_id: Option<i64>) -> TransitionStream {
+        TransitionStream::new(self.inner.pool.clone(), self.subscribe(), seq, issue_id)
+    }
+
+    /// The listener's state; changes whenever it connects, loses its session
+    /// or publishes.
+    pub fn status(&self) -> watch::Receiver<ListenerStatus> {
+        self.inner.status.clone()
+    }
+
+    /// Bumped on every `setting_changed` notification and after every
+    /// reconnect (when changes may have been missed).
+    pub fn settings_changed(&self) -> watch::Receiver<u64> {
+        self.inner.settings_changed.clone()
+    }
+
+    /// The number of live subscribers.
+    pub fn subscriber_count(&self) -> usize {
+        self.inner.events.receiver_count()
+    }
+
+    pub fn pool(&self) -> &DbPool {
+        &self.inner.pool
+    }
+}
+
+/// The owner of the LISTEN connection.
+pub struct Listener {
+    config: tokio_postgres::Config,
+    options: ListenerOptions,
+    events: broadcast::Sender<Transition>,
+    status: watch::Sender<ListenerStatus>,
+    settings_changed: watch::Sender<u64>,
+    last_seq: i64,
+}
+
+/// A connected, listening session.
+struct Session {
+    client: Client,
+    notifications: mpsc::UnboundedReceiver<Notification>,
+    backend_pid: i32,
+}
+
+/// Why a session ended.
+enum SessionEnd {
+    Shutdown,
+    Lost(String),
+}
+
+impl Listener {
+    /// Connects, starts listening, and spawns the listener task. Publishing
+    /// starts after the newest `seq` in the log at start-up; history is read
+    /// through [`TransitionHub::stream_after`]. Fails if the first connection
+    /// fails, so a bad URL is reported at start-up rather than retried.
+    pub async fn start(
+        config: tokio_postgres::Config,
+        pool: DbPool,
+        options: ListenerOptions,
+        shutdown: CancellationToken,
+    ) -> Result<(TransitionHub, tokio::task::JoinHandle<()>), DbError> {
+        let (events, _) = broadcast::channel(options.capacity);
+        let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
+        let (settings_tx, settings_rx) = watch::channel(0);
+        let mut listener = Listener {
+            config,
+            options,
+            events: events.clone(),
+            status: status_tx,
+            settings_changed: settings_tx,
+            last_seq: 0,
+        };
+        let session = listener.connect().await?;
+        listener.last_seq = db::transition::last_seq(&session.client).await?;
+        listener.mark_connected(&session);
+        let hub = TransitionHub {
+            inner: Arc::new(HubInner {
+                events,
+                status: status_rx,
+                settings_changed: settings_rx,
+                pool,
+            }),
+        };
+        let task = tokio::spawn(listener.run(session, shutdown));
+        Ok((hub, task))
+    }
+
+    async fn run(mut self, first: Session, shutdown: CancellationToken) {
+        let mut session = Some(first);
+        let mut backoff = self.options.backoff_min;
+        loop {
+            let current = match session.take() {
+                Some(s) => s,
+                None => match self.connect().await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in = ?backoff, "listener cannot reconnect");
+                        if pause(backoff, &shutdown).await {
+                            return;
+                        }
+                        backoff = (backoff * 2).min(self.options.backoff_max);
+                        continue;
+                    }
+                },
+            };
+            match self.serve(current, &shutdown, &mut backoff).await {
+                SessionEnd::Shutdown => return,
+                SessionEnd::Lost(reason) => {
+                    tracing::warn!(%reason, "listener lost its session; reconnecting");
+                    self.status.send_modify(|s| {
+                        s.connected = false;
+                        s.backend_pid = None;
+                        s.reconnects += 1;
+                    });
+                    if pause(backoff, &shutdown).await {
+                        return;
+                    }
+                    backoff = (backoff * 2).min(self.options.backoff_max);
+                }
+            }
+        }
+    }
+
+    /// Catches up, then publishes notifications until the session ends.
+    async fn serve(
+        &mut self,
+        mut session: Session,
+        shutdown: &CancellationToken,
+        backoff: &mut Duration,
+    ) -> SessionEnd {
+        // LISTEN is already active, so nothing can fall between the catch-up
+        // read and the first notification.
+        if let Err(e) = self.catch_up(&session.client).await {
+            return SessionEnd::Lost(format!("catch-up failed: {e}"));
+        }
+        self.mark_connected(&session);
+        self.settings_changed.send_modify(|v| *v += 1);
+        *backoff = self.options.backoff_min;
+
+        let mut health = tokio::time::interval(self.options.health_interval);
+        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        health.tick().await;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return SessionEnd::Shutdown,
+                note = session.notifications.recv() => {
+                    let Some(note) = note else {
+                        return SessionEnd::Lost("connection closed".into());
+                    };
+                    if let Err(e) = self.on_notification(&session.client, note).await {
+                        return SessionEnd::Lost(format!("catch-up failed: {e}"));
+                    }
+                }
+                _ = health.tick() => {
+                    let probe = session.client.simple_query("SELECT 1");
+                    match tokio::time::timeout(self.options.health_timeout, probe).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return SessionEnd::Lost(format!("health query failed: {e}")),
+                        Err(_) => return SessionEnd::Lost("health query timed out".into()),
+                    }
+                }
+            }
+        }
+    }
+
+    async fn on_notification(&mut self, client: &Client, note: Notification) -> Result<(), DbError> {
+        match note.channel() {
+            TRANSITION_CHANNEL => match Transition::from_payload(note.payload()) {
+                Ok(t) if t.seq <= self.last_seq => Ok(()),
+                Ok(t) if t.seq == self.last_seq + 1 => {
+                    self.publish(t);
+                    Ok(())
+                }
+                Ok(_) => self.catch_up(client).await,
+                Err(e) => {
+                    tracing::warn!(error = %e, payload = note.payload(), "unreadable transition payload; reading the log");
+                    self.catch_up(client).await
+                }
+            },
+            SETTINGS_CHANNEL => {
+                self.settings_changed.send_modify(|v| *v += 1);
+                Ok(())
+            }
+            other => {
+                tracing::debug!(channel = other, "ignoring notification");
+                Ok(())
+            }
+        }
+    }
+
+    /// Publishes everything in the log after the last published `seq`.
+    async fn catch_up(&mut self, client: &Client) -> Result<(), DbError> {
+        const PAGE: i64 = 1000;
+        loop {
+            let page = db::transition::read_after(client, self.last_seq, None, PAGE).await?;
+            let full = page.len() as i64 == PAGE;
+            for t in page {
+                self.publish(t);
+            }
+            if !full {
+                return Ok(());
+            }
+        }
+    }
+
+    fn publish(&mut self, t: Transition) {
+        self.last_seq = t.seq;
+        // No subscribers is fine: the log keeps everything.
+        let _ = self.events.send(t);
+        let seq = self.last_seq;
+        self.status.send_if_modified(|s| {
+            s.last_seq = seq;
+            false
+        });
+    }
+
+    fn mark_connected(&self, session: &Session) {
+        let seq = self.last_seq;
+        self.status.send_modify(|s| {
+            s.connected = true;
+            s.backend_pid = Some(session.backend_pid);
+            s.last_seq = seq;
+        });
+    }
+
+    async fn connect(&self) -> Result<Session, DbError> {
+        let (client, mut connection) = self.config.connect(NoTls).await?;
+        let (tx, notifications) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+            while let Some(message) = messages.next().await {
+                match message {
+                    Ok(AsyncMessage::Notification(n)) => {
+                        if tx.send(n).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "listening connection ended");
+                        return;
+                    }
+                }
+            }
+        });
+        client
+            .batch_execute(&format!("LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}"))
+            .await?;
+        let backend_pid: i32 = client.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+        tracing::info!(backend_pid, "listener connected");
+        Ok(Session {
+            client,
+            notifications,
+            backend_pid,
+        })
+    }
+}
+
+/// Sleeps unless shut down first; true when shut down.
+async fn pause(duration: Duration, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => true,
+        _ = tokio::time::sleep(duration) => false,
+    }
+}

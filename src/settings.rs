@@ -1,0 +1,127 @@
+//! Runtime settings, typed. Values live in the `setting` table (validated
+//! there); a running service re-reads them on next use after a
+//! `setting_changed` notification, and never polls.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{watch, Mutex};
+
+use crate::db::{self, DbError, DbPool};
+
+/// Every setting the service uses, with the defaults of `setting_spec`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    pub content_gen_timeout_s: i64,
+    pub content_gen_min_completion: i64,
+    pub top_k: i64,
+    pub lookback_hours: i64,
+    pub max_attempts: i64,
+    pub lease_s: i64,
+    pub generation_concurrency: i64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            content_gen_timeout_s: 600,
+            content_gen_min_completion: 3,
+            top_k: 5,
+            lookback_hours: 24,
+            max_attempts: 3,
+            lease_s: 60,
+            generation_concurrency: 8,
+        }
+    }
+}
+
+impl Settings {
+    /// Builds settings from `key -> value` text, falling back to defaults
+    /// for missing or unreadable entries (the database validates writes).
+    pub fn from_values(values: &HashMap<String, String>) -> Self {
+        let mut s = Settings::default();
+        let take = |key: &str, slot: &mut i64| {
+            if let Some(v) = values.get(key).and_then(|v| v.parse().ok()) {
+                *slot = v;
+            }
+        };
+        take("content_gen_timeout_s", &mut s.content_gen_timeout_s);
+        take("content_gen_min_completion", &mut s.content_gen_min_completion);
+        take("top_k", &mut s.top_k);
+        take("lookback_hours", &mut s.lookback_hours);
+        take("max_attempts", &mut s.max_attempts);
+        take("lease_s", &mut s.lease_s);
+        take("generation_concurrency", &mut s.generation_concurrency);
+        s
+    }
+
+    pub fn lease(&self) -> Duration {
+        Duration::from_secs(self.lease_s.max(1) as u64)
+    }
+
+    pub fn wait_timeout(&self) -> Duration {
+        Duration::from_secs(self.content_gen_timeout_s.max(1) as u64)
+    }
+
+    /// Reads the current values.
+    pub async fn load(pool: &DbPool) -> Result<Self, DbError> {
+        let client = pool.get().await?;
+        let rows = db::setting::list(&client).await?;
+        Ok(Settings::from_values(
+            &rows.into_iter().map(|r| (r.key, r.value)).collect(),
+        ))
+    }
+}
+
+/// The settings as last read, re-read on next use after a change.
+pub struct SettingsCache {
+    pool: DbPool,
+    changes: watch::Receiver<u64>,
+    current: Mutex<Option<(u64, Arc<Settings>)>>,
+}
+
+impl SettingsCache {
+    /// `changes` is bumped on every `setting_changed` notification (see
+    /// [`crate::listener::TransitionHub::settings_changed`]).
+    pub fn new(pool: DbPool, changes: watch::Receiver<u64>) -> Self {
+        SettingsCache {
+            pool,
+            changes,
+            current: Mutex::new(None),
+        }
+    }
+
+    /// The current settings: cached, unless a change was announced since
+    /// they were read.
+    pub async fn get(&self) -> Result<Arc<Settings>, DbError> {
+        let mut current = self.current.lock().await;
+        let version = *self.changes.borrow();
+        if let Some((seen, settings)) = current.as_ref() {
+            if *seen == version {
+                return Ok(settings.clone());
+            }
+        }
+        let settings = Arc::new(Settings::load(&self.pool).await?);
+        *current = Some((version, settings.clone()));
+        Ok(settings)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_and_unreadable_values_fall_back_to_defaults() {
+        let values: HashMap<String, String> = [
+            ("top_k".to_string(), "7".to_string()),
+            ("lease_s".to_string(), "oops".to_string()),
+        ]
+        .into();
+        let s = Settings::from_values(&values);
+        assert_eq!(s.top_k, 7);
+        assert_eq!(s.lease_s, 60);
+        assert_eq!(s.max_attempts, 3);
+    }
+}

@@ -1,0 +1,93 @@
+//! A gapless, resumable stream of transitions for one consumer (the tail,
+//! an SSE client, a wait): history from the log, then live from the
+//! listener, and back to the log whenever the consumer falls behind.
+//!
+//! It subscribes to the live feed *before* reading the log, so every
+//! transition is either in what the log read returns or arrives live
+//! afterwards; anything at or below the last delivered `seq` is dropped, so
+//! nothing is delivered twice. `seq` is allocated in commit order (see
+//! `sql/0002_transitions.sql`), so reading `seq > last` never skips a row
+//! that commits late.
+
+use std::collections::VecDeque;
+
+use tokio::sync::broadcast;
+
+use crate::db::{self, DbError, DbPool};
+use crate::transition::Transition;
+
+/// Why a stream stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("the listener has stopped")]
+    Closed,
+}
+
+/// See the module docs.
+pub struct TransitionStream {
+    pool: DbPool,
+    live: broadcast::Receiver<Transition>,
+    last_seq: i64,
+    issue_id: Option<i64>,
+    backlog: VecDeque<Transition>,
+    reading_log: bool,
+}
+
+const PAGE: i64 = 500;
+
+impl TransitionStream {
+    pub(crate) fn new(
+        pool: DbPool,
+        live: broadcast::Receiver<Transition>,
+        after_seq: i64,
+        issue_id: Option<i64>,
+    ) -> Self {
+        TransitionStream {
+            pool,
+            live,
+            last_seq: after_seq,
+            issue_id,
+            backlog: VecDeque::new(),
+            reading_log: true,
+        }
+    }
+
+    /// The `seq` of the last transition delivered (or the starting point).
+    pub fn last_seq(&self) -> i64 {
+        self.last_seq
+    }
+
+    /// The next transition, waiting for one if need be. Cancel-safe: dropping
+    /// the future loses nothing.
+    pub async fn next(&mut self) -> Result<Transition, StreamError> {
+        loop {
+            if let Some(t) = self.backlog.pop_front() {
+                self.last_seq = t.seq;
+                return Ok(t);
+            }
+            if self.reading_log {
+                let client = self.pool.get().await.map_err(DbError::from)?;
+                let page =
+                    db::transition::read_after(&**client, self.last_seq, self.issue_id, PAGE).await?;
+                self.reading_log = page.len() as i64 == PAGE;
+                self.backlog.extend(page);
+                continue;
+            }
+            match self.live.recv().await {
+                Ok(t) if t.seq <= self.last_seq => continue,
+                Ok(t) if self.issue_id.is_some_and(|id| id != t.issue_id) => continue,
+                Ok(t) => {
+                    self.last_seq = t.seq;
+                    return Ok(t);
+                }
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    tracing::debug!(missed, "stream fell behind; reading the log");
+                    self.reading_log = true;
+                }
+                Err(broadcast::error::RecvError::Closed) => return Err(StreamError::Closed),
+            }
+        }
+    }
+}
