@@ -137,7 +137,7 @@ impl EmbeddedPostgres {
                 stop: Some(stop),
                 keeper: Some(keeper),
             };
-            match wait_ready(&bin, port, child) {
+            match wait_ready(&log_path, child) {
                 Ok(()) => {
                     cluster.dir = Some(dir);
                     return Ok(cluster);
@@ -235,24 +235,22 @@ fn stop_child(child: &mut Child) {
     let _ = child.wait();
 }
 
-fn wait_ready(bin: &Path, port: u16, pid: u32) -> Result<(), String> {
+/// Ready when the server says so in its log (messages are in English:
+/// the cluster is created with `--no-locale`), or failed when it exits.
+fn wait_ready(log_path: &Path, pid: u32) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
+        let log = std::fs::read_to_string(log_path).unwrap_or_default();
+        if log.contains("database system is ready to accept connections") {
+            return Ok(());
+        }
         // SAFETY: signal 0 only checks that the process exists.
         if unsafe { libc::kill(pid as libc::pid_t, 0) } != 0 {
             return Err("postgres exited during start-up".into());
         }
-        let ready = Command::new(bin.join("pg_isready"))
-            .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string(), "-U", SUPERUSER])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if ready {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
     }
-    Err("postgres did not accept connections within 30 s".into())
+    Err("postgres did not become ready within 30 s".into())
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -288,7 +286,15 @@ pub fn find_bin_dir() -> Option<PathBuf> {
     let has_server = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
     if let Some(path) = std::env::var_os("PATH") {
         if let Some(dir) = std::env::split_paths(&path).find(|d| has_server(d)) {
-            return Some(dir);
+            // Follow symlinks (e.g. /usr/local/bin/initdb) to the real
+            // installation, whose sibling tools match its version.
+            return dir
+                .join("initdb")
+                .canonicalize()
+                .ok()
+                .and_then(|p| p.parent().map(Path::to_path_buf))
+                .filter(|d| has_server(d))
+                .or(Some(dir));
         }
     }
     if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {

@@ -1,0 +1,209 @@
+//! The PostgreSQL harness for integration tests.
+//!
+//! One throwaway cluster per test process (or the server at `DATABASE_URL`),
+//! a migrated template database made once, and a fresh database per test
+//! cloned from it, so tests run in parallel without seeing each other.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use newsnack::db::{self, DbPool, PoolOptions};
+use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::listener::{Listener, ListenerOptions, TransitionHub};
+use tokio_postgres::{Client, NoTls};
+use tokio_util::sync::CancellationToken;
+
+/// Where test databases are created.
+struct Server {
+    /// URL of the maintenance database, used to create test databases.
+    admin_url: String,
+    /// `{db}` stands for the database name.
+    url_template: String,
+}
+
+static CLUSTER: OnceLock<Mutex<Option<EmbeddedPostgres>>> = OnceLock::new();
+static SERVER: OnceLock<Server> = OnceLock::new();
+static TEMPLATE: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+static CREATE_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+extern "C" fn stop_cluster() {
+    if let Some(cluster) = CLUSTER.get() {
+        if let Ok(mut guard) = cluster.lock() {
+            guard.take();
+        }
+    }
+}
+
+fn server() -> &'static Server {
+    SERVER.get_or_init(|| {
+        if let Ok(url) = std::env::var("DATABASE_URL") {
+            let config: tokio_postgres::Config = url.parse().expect("DATABASE_URL must parse");
+            let db = config.get_dbname().unwrap_or("postgres").to_string();
+            let template = url.replacen(&format!("/{db}"), "/{db}", 1);
+            assert!(template.contains("{db}"), "DATABASE_URL must name a database");
+            return Server {
+                admin_url: url,
+                url_template: template,
+            };
+        }
+        let options = EmbeddedOptions {
+            durable: false,
+            settings: vec![
+                ("max_connections".into(), "600".into()),
+                ("shared_preload_libraries".into(), "pg_stat_statements".into()),
+            ],
+        };
+        let cluster = EmbeddedPostgres::start(&options).expect("start the test cluster");
+        let server = Server {
+            admin_url: cluster.url("postgres"),
+            url_template: cluster.url("{db}"),
+        };
+        CLUSTER.get_or_init(|| Mutex::new(Some(cluster)));
+        // SAFETY: registers a plain extern "C" function to run at exit.
+        unsafe {
+            libc::atexit(stop_cluster);
+        }
+        server
+    })
+}
+
+async fn admin() -> Client {
+    let (client, connection) = tokio_postgres::connect(&server().admin_url, NoTls)
+        .await
+        .expect("connect to the test server");
+    tokio::spawn(connection);
+    client
+}
+
+async fn template() -> &'static str {
+    TEMPLATE
+        .get_or_init(|| async {
+            let name = format!("newsnack_template_{}", std::process::id());
+            let admin = admin().await;
+            for statement in [
+                format!("DROP DATABASE IF EXISTS {name}"),
+                format!("CREATE DATABASE {name}"),
+            ] {
+                admin.batch_execute(&statement).await.expect("create the template database");
+            }
+            let url = server().url_template.replace("{db}", &name);
+            let config = db::pg_config(&url, "newsnack-test").unwrap();
+            let mut client = db::connect(&config).await.unwrap();
+            db::migrate::migrate(&mut client).await.expect("migrate the template");
+            drop(client);
+            // Let the migrating session end before the template is copied.
+            admin
+                .execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    &[&name],
+                )
+                .await
+                .unwrap();
+            name
+        })
+        .await
+}
+
+/// A fresh, migrated database of one's own.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub config: tokio_postgres::Config,
+    pub pool: DbPool,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        TestDb::with_pool_size(16).await
+    }
+
+    pub async fn with_pool_size(max_size: usize) -> TestDb {
+        let template = template().await;
+        let name = format!(
+            "t_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        {
+            // Copies of one template are made one at a time.
+            let _one_at_a_time = CREATE_LOCK.lock().await;
+            admin()
+                .await
+                .batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+                .await
+                .expect("create test database");
+        }
+        let url = server().url_template.replace("{db}", &name);
+        let config = db::pg_config(&url, "newsnack-test").unwrap();
+        let pool = db::pool(
+            config.clone(),
+            &PoolOptions {
+                max_size,
+                wait_timeout: Duration::from_secs(30),
+            },
+        )
+        .unwrap();
+        TestDb {
+            name,
+            url,
+            config,
+            pool,
+        }
+    }
+
+    /// A plain connection of its own, outside the pool: "another system".
+    pub async fn raw(&self) -> Client {
+        let mut config = self.config.clone();
+        config.application_name("other-system");
+        let (client, connection) = config.connect(NoTls).await.expect("connect");
+        tokio::spawn(connection);
+        client
+    }
+
+    /// Starts a listener; cancel the token to stop it.
+    pub async fn listener(&self) -> (TransitionHub, CancellationToken) {
+        self.listener_with(ListenerOptions::default()).await
+    }
+
+    pub async fn listener_with(&self, options: ListenerOptions) -> (TransitionHub, CancellationToken) {
+        let token = CancellationToken::new();
+        let (hub, _task) = Listener::start(self.config.clone(), self.pool.clone(), options, token.clone())
+            .await
+            .expect("start listener");
+        (hub, token)
+    }
+
+    /// Adds `n` issues titled `issue N` and returns their ids.
+    pub async fn add_issues(&self, n: usize) -> Vec<i64> {
+        let issues: Vec<_> = (0..n)
+            .map(|i| newsnack::db::issue::NewIssue {
+                title: format!("issue {i}"),
+                body: format!("body of issue {i}"),
+                score: i as f64,
+                collected_at: None,
+            })
+            .collect();
+        let client = self.pool.get().await.unwrap();
+        let mut ids = Vec::with_capacity(n);
+        for chunk in issues.chunks(1000) {
+            ids.extend(newsnack::db::issue::insert_issues(&client, chunk).await.unwrap());
+        }
+        ids
+    }
+
+    /// One scalar from a query, for assertions.
+    pub async fn scalar_i64(&self, sql: &str) -> i64 {
+        let client = self.pool.get().await.unwrap();
+        client.query_one(sql, &[]).await.unwrap().get(0)
+    }
+}
+
+/// Waits for `fut` at most `secs` seconds, failing the test with `what`.
+pub async fn within<T>(secs: u64, what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), fut)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {secs}s waiting for {what}"))
+}

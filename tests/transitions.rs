@@ -1,0 +1,202 @@
+//! The database enforces and announces transitions for every writer: the
+//! 16-pair agreement with the Rust machine, raw SQL seen by subscribers,
+//! illegal changes rejected, and the commit-ordered log.
+
+mod common;
+
+use common::{within, TestDb};
+use newsnack::machine::IssueMachine;
+use newsnack::status::Status;
+
+/// SQL that moves a fresh (PENDING) issue into `status` by legal steps.
+fn path_to(status: Status) -> &'static [&'static str] {
+    match status {
+        Status::Pending => &[],
+        Status::InProgress => &["IN_PROGRESS"],
+        Status::Done => &["IN_PROGRESS", "DONE"],
+        Status::Failed => &["IN_PROGRESS", "FAILED"],
+    }
+}
+
+#[tokio::test]
+async fn sql_rules_and_rust_machine_agree_on_all_16_pairs() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    for from in Status::ALL {
+        for to in Status::ALL {
+            let id: i64 = sql
+                .query_one("INSERT INTO issue (title) VALUES ('pair') RETURNING id", &[])
+                .await
+                .unwrap()
+                .get(0);
+            for step in path_to(from) {
+                sql.execute(
+                    "UPDATE issue SET processing_status = $2 WHERE id = $1",
+                    &[&id, step],
+                )
+                .await
+                .unwrap();
+            }
+            let logged_before: i64 = sql
+                .query_one("SELECT count(*) FROM issue_transition WHERE issue_id = $1", &[&id])
+                .await
+                .unwrap()
+                .get(0);
+            let result = sql
+                .execute(
+                    "UPDATE issue SET processing_status = $2 WHERE id = $1",
+                    &[&id, &to.as_str()],
+                )
+                .await;
+            let row = sql
+                .query_one(
+                    "SELECT processing_status, (SELECT count(*) FROM issue_transition WHERE issue_id = $1) FROM issue WHERE id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap();
+            let (now, logged_after): (String, i64) = (row.get(0), row.get(1));
+            let sql_says_transition = result.is_ok() && from != to;
+            if let Err(e) = &result {
+                let msg = e.as_db_error().unwrap().message().to_string();
+                assert!(
+                    msg.contains(&id.to_string()) && msg.contains(from.as_str()) && msg.contains(to.as_str()),
+                    "error must name the issue and both statuses: {msg}"
+                );
+                assert_eq!(now, from.as_str(), "a rejected change leaves the status");
+                assert_eq!(logged_after, logged_before, "a rejected change is not logged");
+            } else if from == to {
+                assert_eq!(logged_after, logged_before, "no change is not a transition");
+            } else {
+                assert_eq!(now, to.as_str());
+                assert_eq!(logged_after, logged_before + 1);
+            }
+            assert_eq!(
+                sql_says_transition,
+                IssueMachine::is_legal(from, to),
+                "SQL and the machine disagree on {from} -> {to}"
+            );
+            let sql_fn: bool = sql
+                .query_one("SELECT issue_transition_is_legal($1, $2)", &[&from.as_str(), &to.as_str()])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(sql_fn, IssueMachine::is_legal(from, to), "{from} -> {to}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn raw_sql_transition_reaches_a_subscriber_with_from_to_and_seq() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let (hub, stop) = db.listener().await;
+    let mut live = hub.subscribe();
+    let other = db.raw().await;
+    other
+        .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id])
+        .await
+        .unwrap();
+    let t = within(10, "the transition", live.recv()).await.unwrap();
+    let logged: i64 = other
+        .query_one(
+            "SELECT seq FROM issue_transition WHERE issue_id=$1 AND to_status='IN_PROGRESS'",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!((t.issue_id, t.from, t.to, t.seq), (id, Some(Status::Pending), Status::InProgress, logged));
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn illegal_raw_sql_is_rejected_and_changes_nothing() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let other = db.raw().await;
+    let before = db.scalar_i64("SELECT count(*) FROM issue_transition").await;
+    let err = other
+        .execute("UPDATE issue SET processing_status='DONE', last_error='x' WHERE id=$1", &[&id])
+        .await
+        .unwrap_err();
+    let msg = err.as_db_error().unwrap().message().to_string();
+    assert_eq!(msg, format!("illegal status transition for issue {id}: PENDING -> DONE"));
+    let row = other
+        .query_one("SELECT processing_status, last_error FROM issue WHERE id=$1", &[&id])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "PENDING");
+    assert_eq!(row.get::<_, Option<String>>(1), None);
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue_transition").await, before);
+
+    let err = other
+        .execute("INSERT INTO issue (title, processing_status) VALUES ('x', 'DONE')", &[])
+        .await
+        .unwrap_err();
+    assert!(err.as_db_error().unwrap().message().contains("must start PENDING"));
+    let err = other
+        .execute("UPDATE issue SET processing_status='SOMETHING' WHERE id=$1", &[&id])
+        .await
+        .unwrap_err();
+    assert!(err.as_db_error().is_some());
+}
+
+#[tokio::test]
+async fn inserts_are_logged_as_the_initial_pending() {
+    let db = TestDb::new().await;
+    let (hub, stop) = db.listener().await;
+    let mut live = hub.subscribe();
+    let id = db.add_issues(1).await[0];
+    let t = within(10, "the insert's transition", live.recv()).await.unwrap();
+    assert_eq!((t.issue_id, t.from, t.to), (id, None, Status::Pending));
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn claim_bumps_attempts_and_issues_a_new_fencing_token_for_any_writer() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let other = db.raw().await;
+    let mut tokens = Vec::new();
+    for attempt in 1..=2 {
+        other
+            .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id])
+            .await
+            .unwrap();
+        let row = other
+            .query_one("SELECT attempts, claim_id, lease_until > now() FROM issue WHERE id=$1", &[&id])
+            .await
+            .unwrap();
+        assert_eq!(row.get::<_, i32>(0), attempt);
+        assert!(row.get::<_, bool>(2), "a raw-SQL claim gets a lease");
+        tokens.push(row.get::<_, i64>(1));
+        other
+            .execute(
+                "UPDATE issue SET processing_status='FAILED', last_error='boom' WHERE id=$1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+    }
+    assert_ne!(tokens[0], tokens[1]);
+    other
+        .execute("UPDATE issue SET processing_status='PENDING' WHERE id=$1", &[&id])
+        .await
+        .unwrap();
+    let row = other
+        .query_one("SELECT attempts, last_error FROM issue WHERE id=$1", &[&id])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 0, "an operator reset restores the retry budget");
+    assert_eq!(row.get::<_, Option<String>>(1), None);
+    let reason: Option<String> = other
+        .query_one(
+            "SELECT reason FROM issue_transition WHERE issue_id=$1 AND to_status='FAILED' ORDER BY seq LIMIT 1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(reason.as_deref(), Some("boom"));
+}
