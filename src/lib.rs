@@ -33,3 +33,4 @@ pub mod status;
 pub mod stream;
 pub mod tail;
 pub mod transition;
+pub mod writer;
