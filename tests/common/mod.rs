@@ -122,6 +122,15 @@ impl TestDb {
 
     pub async fn with_pool_size(max_size: usize) -> TestDb {
         let template = template().await;
+        TestDb::create(&format!("TEMPLATE {template}"), max_size).await
+    }
+
+    /// A database without the schema, for migration tests.
+    pub async fn empty() -> TestDb {
+        TestDb::create("", 4).await
+    }
+
+    async fn create(clause: &str, max_size: usize) -> TestDb {
         let name = format!(
             "t_{}_{}",
             std::process::id(),
@@ -132,7 +141,7 @@ impl TestDb {
             let _one_at_a_time = CREATE_LOCK.lock().await;
             admin()
                 .await
-                .batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+                .batch_execute(&format!("CREATE DATABASE {name} {clause}"))
                 .await
                 .expect("create test database");
         }

@@ -1,0 +1,202 @@
+//! Claims through `FOR NO KEY UPDATE SKIP LOCKED`: a storm of overlapping
+//! batches claims every issue exactly once, where a read-then-update
+//! claimer hands the same issue out twice.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{within, TestDb};
+use newsnack::db::issue::{claim_issues, ClaimScope};
+use newsnack::db::DbPool;
+use tokio::sync::Barrier;
+
+const ISSUES: usize = 10_000;
+const CLAIMERS: usize = 32;
+const BATCH: usize = 50;
+const LEASE: Duration = Duration::from_secs(60);
+
+/// How one claimer claims a batch; returns the ids it believes it won.
+#[derive(Clone, Copy)]
+enum Claimer {
+    SkipLocked,
+    /// The seed's original bug: read the statuses, then update.
+    ReadThenUpdate,
+}
+
+async fn claim_batch(pool: &DbPool, how: Claimer, ids: &[i64], worker: &str) -> Vec<i64> {
+    let client = pool.get().await.unwrap();
+    match how {
+        Claimer::SkipLocked => claim_issues(&client, ids, worker, LEASE, ClaimScope::Claimable)
+            .await
+            .unwrap()
+            .claimed_ids(),
+        Claimer::ReadThenUpdate => {
+            let rows = client
+                .query(
+                    "SELECT id FROM issue WHERE id = ANY($1) AND processing_status IN ('PENDING','FAILED')",
+                    &[&ids],
+                )
+                .await
+                .unwrap();
+            let pending: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+            // Unordered multi-row updates can deadlock each other; the naive
+            // claimer then answers an error and claims nothing.
+            match client
+                .execute(
+                    "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
+                    &[&pending],
+                )
+                .await
+            {
+                Ok(_) => pending,
+                Err(_) => Vec::new(),
+            }
+        }
+    }
+}
+
+/// 32 claimers walk every window of the id range, each starting at its
+/// own offset, all starting at once. Returns how often each id was won.
+async fn storm(db: &TestDb, how: Claimer) -> HashMap<i64, usize> {
+    let ids = Arc::new(db.add_issues(ISSUES).await);
+    let windows = ISSUES / BATCH;
+    let start = Arc::new(Barrier::new(CLAIMERS));
+    let mut tasks = Vec::new();
+    for c in 0..CLAIMERS {
+        let (pool, ids, start) = (db.pool.clone(), ids.clone(), start.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut won = Vec::new();
+            start.wait().await;
+            for w in 0..windows {
+                // Claimers overlap: neighbours share most of their windows.
+                let first = ((c * 3 + w) % windows) * BATCH;
+                let batch = &ids[first..first + BATCH];
+                won.extend(claim_batch(&pool, how, batch, &format!("claimer-{c}")).await);
+            }
+            won
+        }));
+    }
+    let mut counts: HashMap<i64, usize> = HashMap::new();
+    for task in tasks {
+        for id in task.await.unwrap() {
+            *counts.entry(id).or_default() += 1;
+        }
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_of_overlapping_claims_claims_every_issue_exactly_once() {
+    let db = TestDb::with_pool_size(CLAIMERS + 4).await;
+    let counts = within(240, "the claim storm", storm(&db, Claimer::SkipLocked)).await;
+    let duplicates = counts.values().filter(|&&n| n > 1).count();
+    assert_eq!(duplicates, 0, "no issue may be claimed twice");
+    assert_eq!(counts.len(), ISSUES, "every issue claimed");
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue WHERE processing_status='IN_PROGRESS' AND attempts=1").await,
+        ISSUES as i64
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue_transition WHERE to_status='IN_PROGRESS'").await,
+        ISSUES as i64,
+        "one logged claim per issue"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_same_storm_catches_a_read_then_update_claimer() {
+    let db = TestDb::with_pool_size(CLAIMERS + 4).await;
+    let counts = within(240, "the naive storm", storm(&db, Claimer::ReadThenUpdate)).await;
+    let duplicates = counts.values().filter(|&&n| n > 1).count();
+    assert!(
+        duplicates > 0,
+        "the racy claimer should hand some issue out twice (it handed out {} claims for {} issues)",
+        counts.values().sum::<usize>(),
+        counts.len()
+    );
+}
+
+#[tokio::test]
+async fn duplicate_and_unknown_ids_are_handled_not_errors() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(2).await;
+    let client = db.pool.get().await.unwrap();
+    let outcome = claim_issues(&client, &[ids[0], ids[0], 9_999_999, ids[1]], "w", LEASE, ClaimScope::Claimable)
+        .await
+        .unwrap();
+    assert_eq!(outcome.claimed_ids(), vec![ids[0], ids[1]]);
+    assert_eq!(outcome.skipped, vec![9_999_999]);
+    let again = claim_issues(&client, &ids, "w", LEASE, ClaimScope::Claimable).await.unwrap();
+    assert!(again.claimed.is_empty());
+    assert_eq!(again.skipped, ids);
+    let first = &outcome.claimed[0];
+    assert_eq!((first.attempts, first.title.as_str()), (1, "issue 0"));
+}
+
+#[tokio::test]
+async fn a_claim_skips_rows_locked_by_an_open_claim_without_waiting() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(3).await;
+    let mut holder = db.pool.get().await.unwrap();
+    let open = holder.transaction().await.unwrap();
+    let held = claim_issues(&open, &ids[..2], "holder", LEASE, ClaimScope::Claimable).await.unwrap();
+    assert_eq!(held.claimed_ids(), ids[..2].to_vec());
+    let other = db.pool.get().await.unwrap();
+    let outcome = within(5, "a non-blocking claim", claim_issues(&other, &ids, "other", LEASE, ClaimScope::Claimable))
+        .await
+        .unwrap();
+    assert_eq!(outcome.claimed_ids(), vec![ids[2]]);
+    assert_eq!(outcome.skipped, ids[..2].to_vec());
+    open.rollback().await.unwrap();
+    let after = claim_issues(&other, &ids, "other", LEASE, ClaimScope::Claimable).await.unwrap();
+    assert_eq!(after.claimed_ids(), ids[..2].to_vec(), "rolled-back claims are claimable again");
+}
+
+#[tokio::test]
+async fn a_key_share_lock_from_an_article_insert_does_not_hide_an_issue() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    // What inserting an ai_article does to its issue (foreign key check).
+    let other = db.raw().await;
+    other
+        .batch_execute(&format!("BEGIN; SELECT 1 FROM issue WHERE id = {id} FOR KEY SHARE"))
+        .await
+        .unwrap();
+    // The trap: FOR UPDATE SKIP LOCKED would skip the row.
+    let probe = db.raw().await;
+    let with_for_update = probe
+        .query(
+            "SELECT id FROM issue WHERE id = $1 FOR UPDATE SKIP LOCKED",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert!(with_for_update.is_empty(), "FOR UPDATE conflicts with KEY SHARE");
+    let client = db.pool.get().await.unwrap();
+    let outcome = claim_issues(&client, &[id], "w", LEASE, ClaimScope::Claimable).await.unwrap();
+    assert_eq!(outcome.claimed_ids(), vec![id], "FOR NO KEY UPDATE does not");
+    other.batch_execute("COMMIT").await.unwrap();
+}
+
+#[tokio::test]
+async fn retries_take_only_failed_issues_with_attempts_left() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(3).await;
+    let sql = db.raw().await;
+    // ids[0]: FAILED after 1 attempt; ids[1]: FAILED after 3; ids[2]: PENDING.
+    for (id, attempts) in [(ids[0], 1), (ids[1], 3)] {
+        for _ in 0..attempts {
+            sql.execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id]).await.unwrap();
+            sql.execute("UPDATE issue SET processing_status='FAILED' WHERE id=$1", &[&id]).await.unwrap();
+        }
+    }
+    let client = db.pool.get().await.unwrap();
+    let retry = claim_issues(&client, &ids, "retry", LEASE, ClaimScope::RetryBelow(3)).await.unwrap();
+    assert_eq!(retry.claimed_ids(), vec![ids[0]]);
+    assert_eq!(retry.claimed[0].attempts, 2);
+    let explicit = claim_issues(&client, &ids, "op", LEASE, ClaimScope::Claimable).await.unwrap();
+    assert_eq!(explicit.claimed_ids(), vec![ids[1], ids[2]], "an explicit request takes exhausted ones too");
+}

@@ -1,0 +1,176 @@
+//! The command line against a real database: migrations (twice, and two at
+//! once), adding and claiming issues, status, settings, the JSON tail, and
+//! a clear one-line error for bad input.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Output, Stdio};
+
+use common::TestDb;
+
+fn newsnack(url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run newsnack")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[tokio::test]
+async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
+    let db = TestDb::empty().await;
+    let first = newsnack(&db.url, &["migrate"]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert!(text(&first.stdout).contains("applied migrations [1, 2, 3]"));
+    let second = newsnack(&db.url, &["migrate"]);
+    assert!(second.status.success());
+    assert!(text(&second.stdout).contains("up to date"));
+
+    let other = TestDb::empty().await;
+    let url = other.url.clone();
+    let racers: Vec<_> = (0..4)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_newsnack"))
+                .arg("migrate")
+                .env("DATABASE_URL", &url)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> = racers.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    assert!(outputs.iter().all(|o| o.status.success()), "{:?}", outputs.iter().map(|o| text(&o.stderr)).collect::<Vec<_>>());
+    let applied = outputs.iter().filter(|o| text(&o.stdout).contains("applied")).count();
+    assert_eq!(applied, 1, "exactly one racer applies the migrations");
+    for db in [&db, &other] {
+        assert_eq!(db.scalar_i64("SELECT count(*) FROM newsnack_migration").await, 3);
+        assert_eq!(
+            db.scalar_i64("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'issue'::regclass AND NOT tgisinternal").await,
+            4
+        );
+        assert_eq!(db.scalar_i64("SELECT count(*) FROM setting").await, 7);
+    }
+}
+
+#[tokio::test]
+async fn add_claim_status_and_retry_round_trip() {
+    let db = TestDb::new().await;
+    let added = newsnack(&db.url, &["issues", "add", "--title", "Rates rise", "--body", "The bank raised rates.", "--score", "9.5"]);
+    assert!(added.status.success(), "{}", text(&added.stderr));
+    let ids: serde_json::Value = serde_json::from_slice(&added.stdout).unwrap();
+    let id = ids["ids"][0].as_i64().unwrap();
+
+    let claimed = newsnack(&db.url, &["claim", &id.to_string(), &id.to_string(), "999999"]);
+    assert!(claimed.status.success());
+    let outcome: serde_json::Value = serde_json::from_slice(&claimed.stdout).unwrap();
+    assert_eq!(outcome, serde_json::json!({"claimed": [id], "skipped": [999999]}));
+
+    let again = newsnack(&db.url, &["claim", &id.to_string()]);
+    assert_eq!(again.status.code(), Some(1), "nothing claimable is a failure");
+
+    let status = text(&newsnack(&db.url, &["status"]).stdout);
+    assert!(status.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["IN_PROGRESS", "1"]), "{status}");
+
+    let not_failed = newsnack(&db.url, &["retry", &id.to_string()]);
+    assert_eq!(not_failed.status.code(), Some(1));
+    let sql = db.raw().await;
+    sql.execute("UPDATE issue SET processing_status='FAILED' WHERE id=$1", &[&id]).await.unwrap();
+    let reset = newsnack(&db.url, &["retry", &id.to_string()]);
+    assert!(reset.status.success());
+    let shown: serde_json::Value = serde_json::from_slice(&newsnack(&db.url, &["issues", "show", &id.to_string()]).stdout).unwrap();
+    assert_eq!((shown["status"].as_str(), shown["attempts"].as_i64()), (Some("PENDING"), Some(0)));
+}
+
+#[tokio::test]
+async fn issues_from_a_json_file() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("issues.json");
+    std::fs::write(&path, r#"{"issues":[{"title":"A","body":"a","score":1},{"title":"B","score":2.5}]}"#).unwrap();
+    let out = newsnack(&db.url, &["issues", "add", "--file", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue").await, 2);
+    std::fs::write(&path, r#"[{"title":"","score":1}]"#).unwrap();
+    let bad = newsnack(&db.url, &["issues", "add", "--file", path.to_str().unwrap()]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(text(&bad.stderr).contains("title must not be blank"));
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue").await, 2, "a bad file changes nothing");
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
+    let db = TestDb::new().await;
+    let before = db.scalar_i64("SELECT count(*) FROM issue_transition").await;
+    let cases: &[(&[&str], &str)] = &[
+        (&["claim", "abc"], "invalid value 'abc'"),
+        (&["claim", "0"], "positive ids"),
+        (&["claim"], "required"),
+        (&["settings", "set", "top_k", "0"], "between 1 and 100"),
+        (&["settings", "set", "top_k", "five"], "whole number"),
+        (&["settings", "set", "nope", "1"], "unknown setting"),
+        (&["settings", "get", "nope"], "unknown setting"),
+        (&["issues", "show", "424242"], "no issue with id 424242"),
+        (&["issues", "add", "--title", "x", "--collected-at", "yesterday"], "RFC 3339"),
+    ];
+    for (args, expected) in cases {
+        let out = newsnack(&db.url, args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+    let dead = newsnack("postgres://nobody@127.0.0.1:1/none", &["status"]);
+    let err = text(&dead.stderr);
+    assert_eq!(dead.status.code(), Some(1));
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("newsnack:"), "{err}");
+    let unset = Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .arg("status")
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(text(&unset.stderr).contains("DATABASE_URL is not set"));
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue_transition").await, before);
+    assert_eq!(db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'").await, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_json_replays_history_and_follows_live_one_object_per_line() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(2).await;
+    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .args(["tail", "--json", "--since", "0"])
+        .env("DATABASE_URL", &db.url)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(tail.stdout.take().unwrap()).lines();
+    let mut read = |n: usize| -> Vec<serde_json::Value> {
+        (0..n)
+            .map(|_| serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap())
+            .collect()
+    };
+    let history = tokio::task::block_in_place(|| read(2));
+    assert_eq!(history[0]["to"], "PENDING");
+    assert_eq!(history[0]["from"], serde_json::Value::Null);
+    let sql = db.raw().await;
+    sql.execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&ids[1]]).await.unwrap();
+    let live = tokio::task::block_in_place(|| read(1));
+    assert_eq!(live[0]["issue_id"], ids[1]);
+    assert_eq!((live[0]["from"].as_str(), live[0]["to"].as_str()), (Some("PENDING"), Some("IN_PROGRESS")));
+    assert!(live[0]["seq"].as_i64().unwrap() > history[1]["seq"].as_i64().unwrap());
+    assert!(live[0]["at"].as_str().unwrap().contains('T'));
+    // Ctrl-C ends it cleanly.
+    unsafe {
+        libc::kill(tail.id() as i32, libc::SIGINT);
+    }
+    let status = tokio::task::block_in_place(|| tail.wait().unwrap());
+    assert!(status.success(), "{status:?}");
+}

@@ -1,0 +1,121 @@
+//! The one listener survives losing its session: killed with
+//! `pg_terminate_backend` again and again while transitions keep
+//! committing, it reconnects, catches up from the log, and subscribers see
+//! every transition exactly once, in order.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{within, TestDb};
+use newsnack::listener::ListenerOptions;
+
+const TRANSITIONS: usize = 400;
+const KILLS: u64 = 5;
+
+fn quick_reconnects() -> ListenerOptions {
+    ListenerOptions {
+        backoff_min: Duration::from_millis(10),
+        backoff_max: Duration::from_millis(200),
+        ..ListenerOptions::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(TRANSITIONS).await;
+    let (hub, stop) = db.listener_with(quick_reconnects()).await;
+    let start_seq = hub.status().borrow().last_seq;
+    let mut live = hub.subscribe();
+
+    // Another system claims every issue, one transaction each.
+    let writer = db.raw().await;
+    let writing = tokio::spawn(async move {
+        for id in ids {
+            writer
+                .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id])
+                .await
+                .unwrap();
+            tokio::task::yield_now().await;
+        }
+    });
+
+    // Meanwhile the listener's backend is terminated, again and again.
+    let killer_db = db.raw().await;
+    let mut status = hub.status();
+    let killing = tokio::spawn(async move {
+        for _ in 0..KILLS {
+            let pid = within(20, "the listener to connect", async {
+                loop {
+                    if let Some(pid) = status.borrow_and_update().backend_pid {
+                        return pid;
+                    }
+                    status.changed().await.unwrap();
+                }
+            })
+            .await;
+            let killed: bool = killer_db
+                .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+                .await
+                .unwrap()
+                .get(0);
+            assert!(killed);
+            within(20, "the listener to notice", async {
+                loop {
+                    if status.borrow_and_update().backend_pid != Some(pid) {
+                        return;
+                    }
+                    status.changed().await.unwrap();
+                }
+            })
+            .await;
+        }
+    });
+
+    let mut seen = Vec::new();
+    within(60, "every transition", async {
+        while seen.len() < TRANSITIONS {
+            seen.push(live.recv().await.expect("no lag, no close"));
+        }
+    })
+    .await;
+    writing.await.unwrap();
+    killing.await.unwrap();
+
+    let client = db.pool.get().await.unwrap();
+    let logged: Vec<i64> = client
+        .query("SELECT seq FROM issue_transition WHERE seq > $1 ORDER BY seq", &[&start_seq])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let seqs: Vec<i64> = seen.iter().map(|t| t.seq).collect();
+    assert_eq!(seqs, logged, "exactly the log, in order, once each");
+    assert!(hub.status().borrow().reconnects >= KILLS, "{:?}", hub.status().borrow());
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn settings_changes_are_announced_to_the_hub() {
+    let db = TestDb::new().await;
+    let (hub, stop) = db.listener().await;
+    let mut changes = hub.settings_changed();
+    changes.borrow_and_update();
+    let sql = db.raw().await;
+    sql.execute("UPDATE setting SET value='7' WHERE key='top_k'", &[]).await.unwrap();
+    within(10, "the settings notification", changes.changed()).await.unwrap();
+    let bad = sql
+        .execute("UPDATE setting SET value='zero' WHERE key='top_k'", &[])
+        .await
+        .unwrap_err();
+    assert!(bad.as_db_error().unwrap().message().contains("whole number"));
+    let unknown = sql
+        .execute("INSERT INTO setting (key, value) VALUES ('nope', '1')", &[])
+        .await
+        .unwrap_err();
+    assert!(unknown.as_db_error().unwrap().message().contains("unknown setting"));
+    assert_eq!(db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'").await, 7);
+    stop.cancel();
+}
