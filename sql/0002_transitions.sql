@@ -73,7 +73,9 @@ BEGIN
         WHEN 'IN_PROGRESS' THEN
             -- Every claim, by anyone, is a new attempt with a new fencing token.
             NEW.attempts := OLD.attempts + 1;
-            NEW.claim_id := nextval('issue_claim_id_seq');
+            IF NEW.claim_id IS NOT DISTINCT FROM OLD.claim_id THEN
+                NEW.claim_id := nextval('issue_claim_id_seq');
+            END IF;
             IF NEW.lease_until IS NULL OR NEW.lease_until IS NOT DISTINCT FROM OLD.lease_until THEN
                 NEW.lease_until := now() + make_interval(secs => newsnack_lease_seconds());
             END IF;

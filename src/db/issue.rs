@@ -171,8 +171,9 @@ pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status,
 
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
-/// token (the trigger bumps `attempts` and allocates `claim_id`), records the
-/// holder and the lease deadline.
+/// token, counts the attempt, records the holder and the lease deadline.
+/// (The transition trigger enforces the same bookkeeping for raw-SQL
+/// claims.)
 ///
 /// `FOR NO KEY UPDATE` rather than `FOR UPDATE`: inserting an `ai_article`
 /// takes `FOR KEY SHARE` on its issue, which `FOR UPDATE SKIP LOCKED` would
@@ -201,6 +202,8 @@ pub async fn claim_issues(
              )
              UPDATE issue i
                 SET processing_status = 'IN_PROGRESS',
+                    attempts = i.attempts + 1,
+                    claim_id = nextval('issue_claim_id_seq'),
                     claimed_by = $2,
                     lease_until = now() + make_interval(secs => $3::float8)
                FROM claimable c

@@ -1,0 +1,882 @@
+//! The OpenAI-compatible chat-completions client: the prompts, the one
+//! pooled `reqwest::Client`, the mapping of every failure onto retryable or
+//! fatal, and the parsing of the model's reply into headline and body.
+//!
+//! Works with any server speaking `POST {base}/chat/completions` (OpenAI,
+//! Ollama, vLLM, llama.cpp, LiteLLM, ...). The API key only ever travels in
+//! the `Authorization` header: it is redacted from every error reason.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, RETRY_AFTER};
+use reqwest::{StatusCode, Url};
+use serde::Serialize;
+use serde_json::Value;
+use time::OffsetDateTime;
+
+use super::{
+    parse_llm_url, Article, IssueText, WriteError, WriteErrorKind, Writer, WriterConfig,
+    WriterConfigError,
+};
+
+/// What the model is told it is.
+pub const SYSTEM_PROMPT: &str = "You are a news writer for newsnack, a daily news briefing. \
+Write in a neutral, factual news tone. Use only the facts in the material you are given: \
+never invent names, numbers, quotes or dates. Answer in plain text, without Markdown.";
+
+/// What the model is asked to do, followed by the issue's title and details.
+pub const USER_INSTRUCTIONS: &str = "Write a headline and a short news article \
+(3 to 5 short paragraphs) about the story below.\n\
+Answer with the headline alone on the first line, then a blank line, then the article, \
+with a blank line between paragraphs. Do not add labels such as \"Headline:\".";
+
+/// Stands in for an issue without details.
+const NO_DETAILS: &str = "(no further details)";
+
+/// Low enough for sober prose, high enough not to repeat itself.
+pub const TEMPERATURE: f64 = 0.4;
+
+/// The longest wait for a TCP (and TLS) connection, within the request timeout.
+const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Larger answers are refused rather than buffered.
+const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// How much of an error body goes into a reason.
+const SNIPPET_CHARS: usize = 200;
+/// A first line longer than this is prose, not a headline.
+const MAX_HEADLINE_CHARS: usize = 200;
+
+/// Writes articles with an OpenAI-compatible chat-completions API.
+pub struct OpenAiWriter {
+    client: reqwest::Client,
+    endpoint: Url,
+    model: String,
+    name: String,
+    authorization: Option<HeaderValue>,
+    /// Kept only to redact it from error reasons.
+    api_key: Option<String>,
+    timeout: Duration,
+    connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for OpenAiWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenAiWriter")
+            .field("endpoint", &self.endpoint.as_str())
+            .field("model", &self.model)
+            .field("has_api_key", &self.api_key.is_some())
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+#[derive(Serialize)]
+struct ChatRequest<'a> {
+    model: &'a str,
+    messages: [ChatMessage<'a>; 2],
+    temperature: f64,
+}
+
+#[derive(Serialize)]
+struct ChatMessage<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+impl OpenAiWriter {
+    /// A client for the API at `base_url` (e.g. `https://api.openai.com/v1`),
+    /// with the model, key and timeout of `config`.
+    pub fn new(base_url: &str, config: &WriterConfig) -> Result<Self, WriterConfigError> {
+        let endpoint = chat_completions_url(base_url)?;
+        let model = config.model.trim().to_string();
+        if model.is_empty() {
+            return Err(WriterConfigError::EmptyModel);
+        }
+        if config.timeout.is_zero() {
+            return Err(WriterConfigError::InvalidTimeout {
+                value: "0".to_string(),
+            });
+        }
+        let api_key = config
+            .api_key
+            .as_deref()
+            .map(str::trim)
+            .filter(|key| !key.is_empty())
+            .map(str::to_string);
+        let authorization = match &api_key {
+            Some(key) => {
+                let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+                    .map_err(|_| WriterConfigError::InvalidApiKey)?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+            None => None,
+        };
+        let connect_timeout = config.timeout.min(MAX_CONNECT_TIMEOUT);
+        let client = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .connect_timeout(connect_timeout)
+            .user_agent(concat!("newsnack/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|err| WriterConfigError::HttpClient(err.without_url().to_string()))?;
+        Ok(OpenAiWriter {
+            client,
+            endpoint,
+            name: format!("openai:{model}"),
+            model,
+            authorization,
+            api_key,
+            timeout: config.timeout,
+            connect_timeout,
+        })
+    }
+
+    /// Where requests go: `{base_url}/chat/completions`.
+    pub fn endpoint(&self) -> &Url {
+        &self.endpoint
+    }
+
+    async fn write_issue(&self, issue: IssueText<'_>) -> Result<Article, WriteError> {
+        let user_prompt = user_prompt(issue.title, issue.body);
+        let request = ChatRequest {
+            model: &self.model,
+            messages: [
+                ChatMessage {
+                    role: "system",
+                    content: SYSTEM_PROMPT,
+                },
+                ChatMessage {
+                    role: "user",
+                    content: &user_prompt,
+                },
+            ],
+            temperature: TEMPERATURE,
+        };
+        let mut builder = self.client.post(self.endpoint.clone()).json(&request);
+        if let Some(authorization) = &self.authorization {
+            builder = builder.header(AUTHORIZATION, authorization.clone());
+        }
+        let result = self.send(builder).await;
+        if let Err(err) = &result {
+            tracing::debug!(
+                issue = issue.id,
+                writer = %self.name,
+                kind = %err.kind(),
+                error = %err,
+                "writing failed"
+            );
+        }
+        result.and_then(|content| {
+            parse_article(&content, issue.title).ok_or_else(|| {
+                WriteError::fatal(WriteErrorKind::Empty, "empty content: no article text")
+            })
+        })
+    }
+
+    /// Sends the request; the text of the first choice, or why there is none.
+    async fn send(&self, builder: reqwest::RequestBuilder) -> Result<String, WriteError> {
+        let mut response = builder
+            .send()
+            .await
+            .map_err(|err| self.transport_error(err))?;
+        let status = response.status();
+        let secret = self.api_key.as_deref();
+        if status.is_success() {
+            let (body, complete) = read_capped(&mut response)
+                .await
+                .map_err(|err| self.transport_error(err))?;
+            if !complete {
+                return Err(WriteError::fatal(
+                    WriteErrorKind::Malformed,
+                    format!(
+                        "malformed response: body larger than {} MiB",
+                        MAX_RESPONSE_BYTES >> 20
+                    ),
+                ));
+            }
+            return completion_text(&body, secret);
+        }
+        let retry_after = retry_after(response.headers(), OffsetDateTime::now_utc());
+        // The status decides; a body that cannot be read only loses the snippet.
+        let body = read_capped(&mut response)
+            .await
+            .map(|(body, _)| body)
+            .unwrap_or_default();
+        Err(status_error(status, retry_after, &snippet(&body, secret)))
+    }
+
+    fn transport_error(&self, err: reqwest::Error) -> WriteError {
+        let err = err.without_url();
+        let detail = redact(&error_chain(&err), self.api_key.as_deref());
+        if err.is_connect() {
+            if err.is_timeout() {
+                return WriteError::retryable(
+                    WriteErrorKind::Connect,
+                    format!("could not connect within {}", seconds(self.connect_timeout)),
+                    None,
+                );
+            }
+            return WriteError::retryable(
+                WriteErrorKind::Connect,
+                format!("could not connect: {detail}"),
+                None,
+            );
+        }
+        if err.is_timeout() {
+            return WriteError::retryable(
+                WriteErrorKind::Timeout,
+                format!("timed out after {}", seconds(self.timeout)),
+                None,
+            );
+        }
+        if err.is_builder() || err.is_redirect() {
+            return WriteError::fatal(
+                WriteErrorKind::BadRequest,
+                format!("request failed: {detail}"),
+            );
+        }
+        WriteError::retryable(
+            WriteErrorKind::Transport,
+            format!("connection failed: {detail}"),
+            None,
+        )
+    }
+}
+
+impl Writer for OpenAiWriter {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>> {
+        Box::pin(self.write_issue(issue))
+    }
+}
+
+/// `{base}/chat/completions`, whether `base` ends with a slash or not; a
+/// base that already names the endpoint is kept. The query is kept too.
+pub fn chat_completions_url(base: &str) -> Result<Url, WriterConfigError> {
+    let mut url = parse_llm_url(base)?;
+    url.set_fragment(None);
+    if url
+        .path()
+        .trim_end_matches('/')
+        .ends_with("/chat/completions")
+    {
+        return Ok(url);
+    }
+    url.path_segments_mut()
+        .map_err(|()| WriterConfigError::InvalidUrl {
+            value: base.to_string(),
+            reason: "it cannot be a base URL".to_string(),
+        })?
+        .pop_if_empty()
+        .extend(["chat", "completions"]);
+    Ok(url)
+}
+
+/// The user message: the instructions, then the issue's title and body.
+pub fn user_prompt(title: &str, body: &str) -> String {
+    let body = body.trim();
+    let body = if body.is_empty() { NO_DETAILS } else { body };
+    format!(
+        "{USER_INSTRUCTIONS}\n\nTitle: {title}\n\nDetails:\n{body}",
+        title = title.trim()
+    )
+}
+
+/// Reads the body, up to [`MAX_RESPONSE_BYTES`]; `false` if there was more.
+async fn read_capped(response: &mut reqwest::Response) -> Result<(Vec<u8>, bool), reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        if body.len() + chunk.len() > MAX_RESPONSE_BYTES {
+            let room = MAX_RESPONSE_BYTES - body.len();
+            body.extend_from_slice(&chunk[..room]);
+            return Ok((body, false));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((body, true))
+}
+
+/// The error for a status that is not a success.
+fn status_error(status: StatusCode, retry_after: Option<Duration>, snippet: &str) -> WriteError {
+    let reason = |what: &str| {
+        if snippet.is_empty() {
+            format!("{what} (HTTP {status})")
+        } else {
+            format!("{what} (HTTP {status}): {snippet}")
+        }
+    };
+    match status {
+        StatusCode::TOO_MANY_REQUESTS => WriteError::retryable(
+            WriteErrorKind::RateLimited,
+            reason("rate limited"),
+            retry_after,
+        ),
+        StatusCode::REQUEST_TIMEOUT => WriteError::retryable(
+            WriteErrorKind::Timeout,
+            reason("server timed out"),
+            retry_after,
+        ),
+        s if s.is_server_error() => WriteError::retryable(
+            WriteErrorKind::ServerError,
+            reason("server error"),
+            retry_after,
+        ),
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+            WriteError::fatal(WriteErrorKind::Unauthorized, reason("not authorized"))
+        }
+        _ => WriteError::fatal(WriteErrorKind::BadRequest, reason("request refused")),
+    }
+}
+
+/// The `Retry-After` header: delta-seconds or an HTTP-date (IMF-fixdate).
+fn retry_after(headers: &HeaderMap, now: OffsetDateTime) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?;
+    parse_retry_after(value, now)
+}
+
+/// `"120"` or `"Sun, 06 Nov 1994 08:49:37 GMT"`; a date in the past means now.
+pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let format = time::macros::format_description!(
+        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+    );
+    let at = time::PrimitiveDateTime::parse(value, &format)
+        .ok()?
+        .assume_utc();
+    Some(Duration::try_from(at - now).unwrap_or(Duration::ZERO))
+}
+
+/// The text of the first choice of a chat-completions answer.
+fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteError> {
+    let malformed = |what: String| {
+        WriteError::fatal(
+            WriteErrorKind::Malformed,
+            format!("malformed response: {what}"),
+        )
+    };
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|err| malformed(format!("not JSON ({err}): {:?}", snippet(body, secret))))?;
+    let Some(choices) = value.get("choices") else {
+        return Err(
+            match value.pointer("/error/message").and_then(Value::as_str) {
+                Some(message) => malformed(format!(
+                    "no choices, error: {}",
+                    snippet(message.as_bytes(), secret)
+                )),
+                None => malformed("no choices".to_string()),
+            },
+        );
+    };
+    let choices = choices
+        .as_array()
+        .ok_or_else(|| malformed("choices is not an array".to_string()))?;
+    let Some(first) = choices.first() else {
+        return Err(WriteError::fatal(
+            WriteErrorKind::Empty,
+            "empty content: no choices",
+        ));
+    };
+    let content = first
+        .pointer("/message/content")
+        .ok_or_else(|| malformed("no choices[0].message.content".to_string()))?;
+    let text = match content {
+        Value::String(text) => text.clone(),
+        Value::Null => String::new(),
+        // Content given as parts: [{"type":"text","text":"..."}].
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => {
+            return Err(malformed(
+                "choices[0].message.content is not text".to_string(),
+            ))
+        }
+    };
+    if text.trim().is_empty() {
+        let reason = match first.get("finish_reason").and_then(Value::as_str) {
+            Some(finish) => format!("empty content (finish_reason: {finish})"),
+            None => "empty content".to_string(),
+        };
+        return Err(WriteError::fatal(WriteErrorKind::Empty, reason));
+    }
+    Ok(text)
+}
+
+/// Turns the model's text into an article: the first line is the headline,
+/// the rest the body. Strips Markdown heading and bold marks and
+/// `Headline:` labels; with a single paragraph and no marked headline the
+/// issue's title becomes the headline. `None` when there is no text.
+pub fn parse_article(content: &str, issue_title: &str) -> Option<Article> {
+    let paragraphs = paragraphs(content);
+    let first = paragraphs.first()?;
+    let marked = looks_marked(first[0]);
+    let (headline, body) = if (paragraphs.len() >= 2 || (marked && first.len() >= 2))
+        && (marked || first[0].chars().count() <= MAX_HEADLINE_CHARS)
+    {
+        let mut lines = first.iter();
+        let mut headline = String::new();
+        // A label alone on its line ("Headline:") is followed by the headline.
+        for line in lines.by_ref() {
+            headline = clean_headline(line);
+            if !headline.is_empty() {
+                break;
+            }
+        }
+        let rest: Vec<&str> = lines.copied().collect();
+        let mut body: Vec<Vec<&str>> = Vec::new();
+        if !rest.is_empty() {
+            body.push(rest);
+        }
+        body.extend(paragraphs[1..].iter().cloned());
+        (headline, body)
+    } else {
+        (String::new(), paragraphs)
+    };
+    let body = strip_body_label(body);
+    let body = body
+        .iter()
+        .map(|lines| lines.join("\n"))
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    if body.is_empty() {
+        return None;
+    }
+    let headline = if headline.is_empty() {
+        fallback_headline(issue_title)
+    } else {
+        headline
+    };
+    Some(Article { headline, body })
+}
+
+/// Non-blank trimmed lines, grouped by blank lines; code fences dropped.
+fn paragraphs(content: &str) -> Vec<Vec<&str>> {
+    let mut paragraphs = Vec::new();
+    let mut current = Vec::new();
+    for line in content.lines() {
+        let line = line.trim();
+        if line.starts_with("```") {
+            continue;
+        }
+        if line.is_empty() {
+            if !current.is_empty() {
+                paragraphs.push(std::mem::take(&mut current));
+            }
+        } else {
+            current.push(line);
+        }
+    }
+    if !current.is_empty() {
+        paragraphs.push(current);
+    }
+    paragraphs
+}
+
+/// A line dressed as a headline: `# ...`, `**...**` or `Headline: ...`.
+fn looks_marked(line: &str) -> bool {
+    let line = line.trim();
+    line.starts_with('#')
+        || line.starts_with("**")
+        || line.starts_with("__")
+        || starts_with_label(line.trim_start_matches(['*', '_'])).is_some()
+}
+
+fn starts_with_label(line: &str) -> Option<&str> {
+    ["headline:", "title:"].iter().find_map(|label| {
+        let head = line.get(..label.len())?;
+        head.eq_ignore_ascii_case(label)
+            .then(|| &line[label.len()..])
+    })
+}
+
+/// The headline without Markdown marks, labels or wrapping quotes.
+fn clean_headline(line: &str) -> String {
+    let strip_marks = |s: &str| -> String {
+        s.trim()
+            .trim_start_matches('#')
+            .trim()
+            .trim_matches(['*', '_'])
+            .trim()
+            .to_string()
+    };
+    let mut text = strip_marks(line);
+    if let Some(rest) = starts_with_label(&text) {
+        text = strip_marks(rest);
+    }
+    for (open, close) in [('"', '"'), ('“', '”'), ('\'', '\'')] {
+        if text.chars().count() >= 2 && text.starts_with(open) && text.ends_with(close) {
+            text = text[open.len_utf8()..text.len() - close.len_utf8()]
+                .trim()
+                .to_string();
+        }
+    }
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Drops an `Article:` or `Body:` label opening the body.
+fn strip_body_label(mut body: Vec<Vec<&str>>) -> Vec<Vec<&str>> {
+    let Some(first_line) = body.first_mut().and_then(|lines| lines.first_mut()) else {
+        return body;
+    };
+    let line = *first_line;
+    let unmarked = line.trim_start_matches(['*', '_']);
+    for label in ["article:", "body:"] {
+        if unmarked
+            .get(..label.len())
+            .is_some_and(|head| head.eq_ignore_ascii_case(label))
+        {
+            *first_line = unmarked[label.len()..]
+                .trim_start_matches(['*', '_'])
+                .trim();
+            break;
+        }
+    }
+    for lines in &mut body {
+        lines.retain(|line| !line.is_empty());
+    }
+    body.retain(|lines| !lines.is_empty());
+    body
+}
+
+fn fallback_headline(issue_title: &str) -> String {
+    let title = issue_title.split_whitespace().collect::<Vec<_>>().join(" ");
+    if title.is_empty() {
+        "Untitled".to_string()
+    } else {
+        title
+    }
+}
+
+/// A body as one short line for a reason: whitespace collapsed, the secret
+/// redacted, cut at [`SNIPPET_CHARS`] characters.
+fn snippet(body: &[u8], secret: Option<&str>) -> String {
+    let text = String::from_utf8_lossy(body);
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let text = redact(&text, secret);
+    match text.char_indices().nth(SNIPPET_CHARS) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text,
+    }
+}
+
+fn redact(text: &str, secret: Option<&str>) -> String {
+    match secret {
+        Some(secret) if !secret.is_empty() => text.replace(secret, "<redacted>"),
+        _ => text.to_string(),
+    }
+}
+
+/// An error and its causes, without repeating a cause its parent already says.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// `60s`, or `1500ms` when not whole seconds.
+fn seconds(duration: Duration) -> String {
+    if duration.subsec_nanos() == 0 {
+        format!("{}s", duration.as_secs())
+    } else {
+        format!("{}ms", duration.as_millis())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(content: &str) -> Article {
+        parse_article(content, "Issue title").expect("an article")
+    }
+
+    fn article(headline: &str, body: &str) -> Article {
+        Article {
+            headline: headline.into(),
+            body: body.into(),
+        }
+    }
+
+    #[test]
+    fn headline_then_blank_line_then_paragraphs() {
+        assert_eq!(
+            parsed("Markets rally\n\nStocks rose.\n\nBonds fell.\n"),
+            article("Markets rally", "Stocks rose.\n\nBonds fell.")
+        );
+        assert_eq!(
+            parsed("\r\n  Markets rally  \r\n\r\n\r\nStocks rose.\r\n   \r\nBonds fell."),
+            article("Markets rally", "Stocks rose.\n\nBonds fell.")
+        );
+    }
+
+    #[test]
+    fn headline_marks_and_labels_are_stripped() {
+        for content in [
+            "# Markets rally\n\nStocks rose.",
+            "## **Markets rally**\n\nStocks rose.",
+            "**Markets rally**\n\nStocks rose.",
+            "Headline: Markets rally\n\nStocks rose.",
+            "**Headline:** Markets rally\n\nStocks rose.",
+            "HEADLINE: \"Markets rally\"\n\nStocks rose.",
+            "Headline:\nMarkets rally\n\nStocks rose.",
+            "“Markets rally”\n\nArticle: Stocks rose.",
+            "```\nMarkets rally\n\nStocks rose.\n```",
+        ] {
+            assert_eq!(
+                parsed(content),
+                article("Markets rally", "Stocks rose."),
+                "{content:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn marked_headline_without_a_blank_line() {
+        assert_eq!(
+            parsed("**Markets rally**\nStocks rose.\nBonds fell."),
+            article("Markets rally", "Stocks rose.\nBonds fell.")
+        );
+        assert_eq!(
+            parsed("Markets rally\nStocks rose.\n\nBonds fell."),
+            article("Markets rally", "Stocks rose.\n\nBonds fell.")
+        );
+    }
+
+    #[test]
+    fn one_paragraph_takes_the_issue_title() {
+        assert_eq!(
+            parsed("Stocks rose on Monday.\nBonds fell."),
+            article("Issue title", "Stocks rose on Monday.\nBonds fell.")
+        );
+        assert_eq!(
+            parsed("# Only a heading"),
+            article("Issue title", "# Only a heading")
+        );
+    }
+
+    #[test]
+    fn a_long_first_line_is_prose_not_a_headline() {
+        let long = "word ".repeat(60);
+        let content = format!("{long}\n\nSecond paragraph.");
+        let article = parsed(&content);
+        assert_eq!(article.headline, "Issue title");
+        assert!(article.body.ends_with("Second paragraph."));
+    }
+
+    #[test]
+    fn nothing_to_use_is_none() {
+        assert_eq!(parse_article("  \n\n ", "t"), None);
+        assert_eq!(parse_article("Headline\n\nArticle:", "t"), None);
+        assert_eq!(parse_article("```\n```", "t"), None);
+    }
+
+    #[test]
+    fn completion_text_finds_the_first_choice() {
+        let body = br#"{"choices":[{"message":{"role":"assistant","content":"Hi\n\nThere."}}]}"#;
+        assert_eq!(completion_text(body, None).unwrap(), "Hi\n\nThere.");
+        let parts = br#"{"choices":[{"message":{"content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]}}]}"#;
+        assert_eq!(completion_text(parts, None).unwrap(), "AB");
+    }
+
+    #[test]
+    fn completion_text_failures_are_fatal() {
+        let kind_and_reason = |body: &[u8]| {
+            let err = completion_text(body, Some("sk-secret")).unwrap_err();
+            assert!(!err.is_retryable());
+            (err.kind(), err.reason().to_string())
+        };
+        let (kind, reason) = kind_and_reason(b"<html>sk-secret oops</html>");
+        assert_eq!(kind, WriteErrorKind::Malformed);
+        assert!(
+            reason.starts_with("malformed response: not JSON"),
+            "{reason}"
+        );
+        assert!(!reason.contains("sk-secret"), "{reason}");
+
+        for body in [
+            &br#"{"id":"x"}"#[..],
+            br#"{"choices":{}}"#,
+            br#"{"choices":[{"text":"legacy"}]}"#,
+            br#"{"choices":[{"message":{"content":42}}]}"#,
+        ] {
+            let (kind, reason) = kind_and_reason(body);
+            assert_eq!(kind, WriteErrorKind::Malformed, "{reason}");
+            assert!(reason.starts_with("malformed response: "), "{reason}");
+        }
+        let (_, reason) = kind_and_reason(br#"{"error":{"message":"model not found"}}"#);
+        assert!(reason.ends_with("error: model not found"), "{reason}");
+
+        for body in [
+            &br#"{"choices":[]}"#[..],
+            br#"{"choices":[{"message":{"content":"  \n "}}]}"#,
+            br#"{"choices":[{"message":{"content":null},"finish_reason":"content_filter"}]}"#,
+        ] {
+            let (kind, reason) = kind_and_reason(body);
+            assert_eq!(kind, WriteErrorKind::Empty, "{reason}");
+            assert!(reason.starts_with("empty content"), "{reason}");
+        }
+    }
+
+    #[test]
+    fn statuses_map_onto_retryable_or_fatal() {
+        let wait = Some(Duration::from_secs(5));
+        let cases = [
+            (429, true, WriteErrorKind::RateLimited),
+            (408, true, WriteErrorKind::Timeout),
+            (500, true, WriteErrorKind::ServerError),
+            (503, true, WriteErrorKind::ServerError),
+            (400, false, WriteErrorKind::BadRequest),
+            (404, false, WriteErrorKind::BadRequest),
+            (422, false, WriteErrorKind::BadRequest),
+            (401, false, WriteErrorKind::Unauthorized),
+            (403, false, WriteErrorKind::Unauthorized),
+            (302, false, WriteErrorKind::BadRequest),
+        ];
+        for (code, retryable, kind) in cases {
+            let status = StatusCode::from_u16(code).unwrap();
+            let err = status_error(status, wait, "details");
+            assert_eq!(err.is_retryable(), retryable, "{code}");
+            assert_eq!(err.kind(), kind, "{code}");
+            assert_eq!(err.retry_after(), if retryable { wait } else { None });
+            assert!(err.reason().contains(&code.to_string()), "{err}");
+            assert!(err.reason().ends_with(": details"), "{err}");
+        }
+    }
+
+    #[test]
+    fn retry_after_seconds_or_date() {
+        let now = time::macros::datetime!(2015-10-21 07:28:00 UTC);
+        assert_eq!(
+            parse_retry_after("120", now),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:30:00 GMT", now),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        for junk in ["-1", "1.5", "soon", ""] {
+            assert_eq!(parse_retry_after(junk, now), None, "{junk:?}");
+        }
+    }
+
+    #[test]
+    fn snippets_are_short_single_line_and_redacted() {
+        let body = format!("bad key sk-secret\n\n{}", "x".repeat(1000));
+        let snippet = snippet(body.as_bytes(), Some("sk-secret"));
+        assert!(snippet.starts_with("bad key <redacted> xxx"), "{snippet}");
+        assert_eq!(snippet.chars().count(), SNIPPET_CHARS + 1);
+        assert!(snippet.ends_with('…'));
+        assert_eq!(
+            super::snippet("é".repeat(300).as_bytes(), None)
+                .chars()
+                .count(),
+            201
+        );
+    }
+
+    #[test]
+    fn endpoint_joins_with_or_without_a_slash() {
+        for (base, endpoint) in [
+            (
+                "http://localhost:11434/v1",
+                "http://localhost:11434/v1/chat/completions",
+            ),
+            (
+                "http://localhost:11434/v1/",
+                "http://localhost:11434/v1/chat/completions",
+            ),
+            (
+                "https://api.openai.com/v1",
+                "https://api.openai.com/v1/chat/completions",
+            ),
+            (
+                "http://127.0.0.1:8080",
+                "http://127.0.0.1:8080/chat/completions",
+            ),
+            (
+                "http://127.0.0.1:8080/",
+                "http://127.0.0.1:8080/chat/completions",
+            ),
+            (
+                "https://x.example/openai/v1/chat/completions",
+                "https://x.example/openai/v1/chat/completions",
+            ),
+            (
+                "https://x.example/v1?api-version=2024-01#frag",
+                "https://x.example/v1/chat/completions?api-version=2024-01",
+            ),
+        ] {
+            assert_eq!(
+                chat_completions_url(base).unwrap().as_str(),
+                endpoint,
+                "{base}"
+            );
+        }
+        assert!(chat_completions_url("mailto:x@example.com").is_err());
+    }
+
+    #[test]
+    fn writer_name_and_checks() {
+        let config = WriterConfig {
+            model: "llama3.2".into(),
+            api_key: Some("sk-secret".into()),
+            ..WriterConfig::default()
+        };
+        let writer = OpenAiWriter::new("http://localhost:11434/v1", &config).unwrap();
+        assert_eq!(writer.name(), "openai:llama3.2");
+        assert!(!format!("{writer:?}").contains("sk-secret"));
+
+        let no_model = WriterConfig {
+            model: " ".into(),
+            ..WriterConfig::default()
+        };
+        assert_eq!(
+            OpenAiWriter::new("http://x/v1", &no_model).unwrap_err(),
+            WriterConfigError::EmptyModel
+        );
+        let bad_key = WriterConfig {
+            api_key: Some("line\nbreak".into()),
+            ..WriterConfig::default()
+        };
+        assert_eq!(
+            OpenAiWriter::new("http://x/v1", &bad_key).unwrap_err(),
+            WriterConfigError::InvalidApiKey
+        );
+        let no_time = WriterConfig {
+            timeout: Duration::ZERO,
+            ..WriterConfig::default()
+        };
+        assert!(matches!(
+            OpenAiWriter::new("http://x/v1", &no_time).unwrap_err(),
+            WriterConfigError::InvalidTimeout { .. }
+        ));
+    }
+
+    #[test]
+    fn the_prompt_carries_title_and_body() {
+        let prompt = user_prompt("  A title ", "\nThe body.\n");
+        assert!(prompt.starts_with(USER_INSTRUCTIONS));
+        assert!(prompt.ends_with("Title: A title\n\nDetails:\nThe body."));
+        assert!(user_prompt("t", "  ").ends_with(NO_DETAILS));
+    }
+}

@@ -1,0 +1,225 @@
+//! A local fake of an OpenAI-compatible chat-completions server, for tests:
+//! an axum server on 127.0.0.1 (a free port) that answers every
+//! `POST /v1/chat/completions` as a test script says, and records what it
+//! was sent (count, last request body, last `Authorization` header).
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// How the fake answers one request.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// 200 with a well-formed completion whose content is this text.
+    Ok(String),
+    /// 429 with `Retry-After: <retry_after_s>`.
+    RateLimited { retry_after_s: u64 },
+    /// 500 with a JSON error body.
+    ServerError,
+    /// Never answers, until the fake is stopped (then 503).
+    Hang,
+    /// 200 with a body that is not JSON.
+    Malformed,
+    /// 200 with `{"choices":[]}`.
+    EmptyChoices,
+    /// 400 with an OpenAI-style JSON error body.
+    BadRequest,
+    /// Anything else: a status, an optional `Retry-After` and a body.
+    Custom {
+        status: u16,
+        retry_after: Option<String>,
+        body: String,
+    },
+}
+
+type Script = dyn Fn(u64, &Value) -> Reply + Send + Sync;
+
+struct Shared {
+    script: Box<Script>,
+    requests: AtomicU64,
+    last_authorization: Mutex<Option<String>>,
+    last_request: Mutex<Option<Value>>,
+    stopping: CancellationToken,
+}
+
+/// A running fake; stops when dropped.
+pub struct FakeLlm {
+    /// The base URL to use as `NEWSNACK_LLM_URL`: `http://127.0.0.1:PORT/v1`.
+    pub url: String,
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    server: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl FakeLlm {
+    /// Every request answered by `script(n, request_json)`; n counts requests
+    /// from 0. A body that is not JSON reaches the script as `Value::Null`.
+    pub async fn start(script: impl Fn(u64, &Value) -> Reply + Send + Sync + 'static) -> FakeLlm {
+        let shared = Arc::new(Shared {
+            script: Box::new(script),
+            requests: AtomicU64::new(0),
+            last_authorization: Mutex::new(None),
+            last_request: Mutex::new(None),
+            stopping: CancellationToken::new(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the fake LLM server");
+        let addr = listener
+            .local_addr()
+            .expect("local address of the fake LLM");
+        let router = Router::new()
+            .route("/v1/chat/completions", post(chat_completions))
+            .with_state(shared.clone());
+        let stopping = shared.stopping.clone();
+        let server = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(stopping.cancelled_owned())
+                .await
+                .expect("run the fake LLM server");
+        });
+        FakeLlm {
+            url: format!("http://{addr}/v1"),
+            addr,
+            shared,
+            server: Mutex::new(Some(server)),
+        }
+    }
+
+    /// A fake that answers every request with `content`.
+    pub async fn always(content: &str) -> FakeLlm {
+        let content = content.to_string();
+        FakeLlm::start(move |_, _| Reply::Ok(content.clone())).await
+    }
+
+    /// How many requests reached the endpoint so far.
+    pub fn requests(&self) -> u64 {
+        self.shared.requests.load(Ordering::SeqCst)
+    }
+
+    /// The `Authorization` header of the last request, if it had one.
+    pub fn last_authorization(&self) -> Option<String> {
+        self.shared.last_authorization.lock().unwrap().clone()
+    }
+
+    /// The JSON body of the last request (`Value::Null` if it was not JSON).
+    pub fn last_request(&self) -> Option<Value> {
+        self.shared.last_request.lock().unwrap().clone()
+    }
+
+    /// Stops the server: the port stops listening and hanging requests end.
+    /// Returns at once; [`FakeLlm::stopped`] waits until it is done.
+    pub fn stop(&self) {
+        self.shared.stopping.cancel();
+    }
+
+    /// Stops the server and waits until it no longer accepts connections
+    /// and every connection is closed.
+    pub async fn stopped(&self) {
+        self.stop();
+        let server = self.server.lock().unwrap().take();
+        if let Some(server) = server {
+            server.await.expect("the fake LLM server task");
+        }
+    }
+}
+
+impl Drop for FakeLlm {
+    fn drop(&mut self) {
+        self.shared.stopping.cancel();
+    }
+}
+
+async fn chat_completions(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let n = shared.requests.fetch_add(1, Ordering::SeqCst);
+    let authorization = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_string);
+    *shared.last_authorization.lock().unwrap() = authorization;
+    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    *shared.last_request.lock().unwrap() = Some(request.clone());
+
+    match (shared.script)(n, &request) {
+        Reply::Ok(content) => {
+            let model = request.get("model").cloned().unwrap_or(Value::Null);
+            let completion = json!({
+                "id": format!("chatcmpl-fake-{n}"),
+                "object": "chat.completion",
+                "created": 0,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            });
+            (StatusCode::OK, axum::Json(completion)).into_response()
+        }
+        Reply::RateLimited { retry_after_s } => (
+            StatusCode::TOO_MANY_REQUESTS,
+            [(header::RETRY_AFTER, retry_after_s.to_string())],
+            axum::Json(error_body("Rate limit reached", "rate_limit_exceeded")),
+        )
+            .into_response(),
+        Reply::ServerError => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(error_body("The server had an error", "server_error")),
+        )
+            .into_response(),
+        Reply::Hang => {
+            shared.stopping.cancelled().await;
+            (StatusCode::SERVICE_UNAVAILABLE, "fake LLM stopped").into_response()
+        }
+        Reply::Malformed => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "text/html")],
+            "<html><body>not a completion</body></html>",
+        )
+            .into_response(),
+        Reply::EmptyChoices => (StatusCode::OK, axum::Json(json!({"choices": []}))).into_response(),
+        Reply::BadRequest => (
+            StatusCode::BAD_REQUEST,
+            axum::Json(error_body(
+                "Invalid value for 'temperature'",
+                "invalid_request_error",
+            )),
+        )
+            .into_response(),
+        Reply::Custom {
+            status,
+            retry_after,
+            body,
+        } => {
+            let status = StatusCode::from_u16(status).expect("a valid status");
+            let mut response = (status, body).into_response();
+            if let Some(retry_after) = retry_after {
+                response.headers_mut().insert(
+                    header::RETRY_AFTER,
+                    retry_after.parse().expect("a valid Retry-After"),
+                );
+            }
+            response
+        }
+    }
+}
+
+fn error_body(message: &str, kind: &str) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": null}})
+}
