@@ -144,7 +144,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
 }
 
 fn required(url: Option<String>) -> Result<String, CliError> {
-    url.filter(|u| !u.trim().is_empty()).ok_or(CliError::NoDatabase)
+    url.filter(|u| !u.trim().is_empty())
+        .ok_or(CliError::NoDatabase)
 }
 
 /// A small pool for a one-shot command, checked by taking one connection so
@@ -216,9 +217,14 @@ async fn claim(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
     let settings = Settings::load(&pool).await?;
     let client = pool.get().await.map_err(DbError::from)?;
     let worker = format!("cli:{}", std::process::id());
-    let outcome =
-        db::issue::claim_issues(&client, ids, &worker, settings.lease(), ClaimScope::Claimable)
-            .await?;
+    let outcome = db::issue::claim_issues(
+        &client,
+        ids,
+        &worker,
+        settings.lease(),
+        ClaimScope::Claimable,
+    )
+    .await?;
     println!(
         "{}",
         serde_json::json!({"claimed": outcome.claimed_ids(), "skipped": outcome.skipped})
@@ -273,7 +279,10 @@ async fn issues(url: &str, cmd: IssuesCommand) -> Result<ExitCode, CliError> {
             let client = pool.get().await.map_err(DbError::from)?;
             match db::issue::get_issue(&client, id).await? {
                 Some(issue) => {
-                    println!("{}", serde_json::to_string_pretty(&issue).unwrap_or_default());
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&issue).unwrap_or_default()
+                    );
                     Ok(ExitCode::SUCCESS)
                 }
                 None => Err(CliError::Failed(format!("no issue with id {id}"))),
@@ -286,7 +295,9 @@ async fn issues(url: &str, cmd: IssuesCommand) -> Result<ExitCode, CliError> {
 #[derive(serde::Deserialize)]
 #[serde(untagged)]
 enum IssueFile {
-    Wrapped { issues: Vec<crate::api_types::NewIssueJson> },
+    Wrapped {
+        issues: Vec<crate::api_types::NewIssueJson>,
+    },
     List(Vec<crate::api_types::NewIssueJson>),
 }
 
@@ -321,7 +332,10 @@ async fn retry(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .collect();
-    println!("{}", serde_json::json!({"reset": reset, "not_failed": not_failed}));
+    println!(
+        "{}",
+        serde_json::json!({"reset": reset, "not_failed": not_failed})
+    );
     Ok(if reset.is_empty() {
         ExitCode::from(1)
     } else {

@@ -81,7 +81,16 @@ impl EmbeddedPostgres {
         initdb
             .arg("-D")
             .arg(&data)
-            .args(["-U", SUPERUSER, "-A", "trust", "-E", "UTF8", "--no-locale", "--no-sync"])
+            .args([
+                "-U",
+                SUPERUSER,
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--no-locale",
+                "--no-sync",
+            ])
             .current_dir(dir.path());
         as_user(&mut initdb, run_as);
         let out = initdb.output()?;
@@ -114,7 +123,14 @@ impl EmbeddedPostgres {
                 .stdout(log.try_clone()?)
                 .stderr(log);
             if !options.durable {
-                server.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
+                server.args([
+                    "-c",
+                    "fsync=off",
+                    "-c",
+                    "synchronous_commit=off",
+                    "-c",
+                    "full_page_writes=off",
+                ]);
             }
             for (name, value) in &options.settings {
                 server.arg("-c").arg(format!("{name}={value}"));
@@ -188,7 +204,9 @@ impl Drop for EmbeddedPostgres {
 
 /// Starts `command` from a thread that stays alive until told to stop, so
 /// the child's parent-death signal fires only when the process goes away.
-fn spawn_kept(mut command: Command) -> Result<(u32, mpsc::Sender<()>, JoinHandle<()>), EmbeddedError> {
+fn spawn_kept(
+    mut command: Command,
+) -> Result<(u32, mpsc::Sender<()>, JoinHandle<()>), EmbeddedError> {
     let (started_tx, started_rx) = mpsc::channel::<std::io::Result<u32>>();
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     let keeper = std::thread::Builder::new()
@@ -206,12 +224,10 @@ fn spawn_kept(mut command: Command) -> Result<(u32, mpsc::Sender<()>, JoinHandle
             let _ = stop_rx.recv();
             stop_child(&mut child);
         })?;
-    let pid = started_rx
-        .recv()
-        .map_err(|_| EmbeddedError::Step {
-            step: "starting postgres",
-            detail: "keeper thread died".into(),
-        })??;
+    let pid = started_rx.recv().map_err(|_| EmbeddedError::Step {
+        step: "starting postgres",
+        detail: "keeper thread died".into(),
+    })??;
     Ok((pid, stop_tx, keeper))
 }
 

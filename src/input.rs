@@ -62,7 +62,9 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
     }
     for (i, issue) in issues.iter().enumerate() {
         if issue.title.trim().is_empty() {
-            return Err(InvalidInput::Bad(format!("issues[{i}].title must not be blank")));
+            return Err(InvalidInput::Bad(format!(
+                "issues[{i}].title must not be blank"
+            )));
         }
         if issue.title.len() > MAX_TITLE_BYTES {
             return Err(InvalidInput::Bad(format!(
@@ -75,10 +77,14 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
             )));
         }
         if !issue.score.is_finite() {
-            return Err(InvalidInput::Bad(format!("issues[{i}].score must be a finite number")));
+            return Err(InvalidInput::Bad(format!(
+                "issues[{i}].score must be a finite number"
+            )));
         }
         if issue.title.contains('\0') || issue.body.contains('\0') {
-            return Err(InvalidInput::Bad(format!("issues[{i}] must not contain NUL characters")));
+            return Err(InvalidInput::Bad(format!(
+                "issues[{i}] must not contain NUL characters"
+            )));
         }
     }
     Ok(())
@@ -100,10 +106,16 @@ mod tests {
     #[test]
     fn id_lists() {
         assert!(check_ids("issue_ids", &[1, 1, 2]).is_ok());
-        assert_eq!(check_ids("issue_ids", &[]), Err(InvalidInput::Empty { field: "issue_ids" }));
+        assert_eq!(
+            check_ids("issue_ids", &[]),
+            Err(InvalidInput::Empty { field: "issue_ids" })
+        );
         assert_eq!(
             check_ids("issue_ids", &[3, 0]),
-            Err(InvalidInput::NotPositive { field: "issue_ids", id: 0 })
+            Err(InvalidInput::NotPositive {
+                field: "issue_ids",
+                id: 0
+            })
         );
         assert!(matches!(
             check_ids("issue_ids", &vec![1; MAX_IDS + 1]),

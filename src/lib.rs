@@ -8,6 +8,7 @@
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`claim`] | claims with application-level group commit |
 //! | [`cli`] | the command line: parsing, one-shot commands, dispatch |
 //! | [`db`] | the pool, migrations, advisory lock keys, every SQL query |
 //! | [`embedded`] | the throwaway PostgreSQL for the zero-config default |
@@ -18,9 +19,11 @@
 //! | [`settings`] | typed runtime settings, re-read when announced |
 //! | [`input`] | validation of ids and new issues, shared by API and CLI |
 //! | [`tail`] | how the live tail prints a transition |
+//! | [`writer`] | the LLM client and the offline writer |
 //! | [`shutdown`] | the one shutdown signal |
 
 pub mod api_types;
+pub mod claim;
 pub mod cli;
 pub mod db;
 pub mod embedded;

@@ -260,7 +260,11 @@ impl Listener {
         }
     }
 
-    async fn on_notification(&mut self, client: &Client, note: Notification) -> Result<(), DbError> {
+    async fn on_notification(
+        &mut self,
+        client: &Client,
+        note: Notification,
+    ) -> Result<(), DbError> {
         match note.channel() {
             TRANSITION_CHANNEL => match Transition::from_payload(note.payload()) {
                 Ok(t) if t.seq <= self.last_seq => Ok(()),
@@ -341,9 +345,14 @@ impl Listener {
             }
         });
         client
-            .batch_execute(&format!("LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}"))
+            .batch_execute(&format!(
+                "LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}"
+            ))
             .await?;
-        let backend_pid: i32 = client.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+        let backend_pid: i32 = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await?
+            .get(0);
         tracing::info!(backend_pid, "listener connected");
         Ok(Session {
             client,

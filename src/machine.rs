@@ -66,7 +66,10 @@ impl Event {
 #[derive(Debug, Default, Clone)]
 pub struct Lifecycle;
 
-#[state_machine(initial = "State::pending()", state(derive(Debug, Clone, Copy, PartialEq, Eq)))]
+#[state_machine(
+    initial = "State::pending()",
+    state(derive(Debug, Clone, Copy, PartialEq, Eq))
+)]
 impl Lifecycle {
     #[state(entry_action = "enter_pending")]
     fn pending(event: &Event) -> Outcome<State> {
@@ -204,9 +207,15 @@ mod tests {
     #[test]
     fn walks_the_happy_path_and_a_retry() {
         let mut m = IssueMachine::at(Status::Pending);
-        assert_eq!(m.observe(Status::InProgress), Ok(Some(Reaction::WorkStarted)));
+        assert_eq!(
+            m.observe(Status::InProgress),
+            Ok(Some(Reaction::WorkStarted))
+        );
         assert_eq!(m.observe(Status::Failed), Ok(Some(Reaction::ConsiderRetry)));
-        assert_eq!(m.observe(Status::InProgress), Ok(Some(Reaction::WorkStarted)));
+        assert_eq!(
+            m.observe(Status::InProgress),
+            Ok(Some(Reaction::WorkStarted))
+        );
         assert_eq!(m.observe(Status::Done), Ok(Some(Reaction::Finished)));
         assert_eq!(m.status(), Status::Done);
     }
@@ -216,7 +225,10 @@ mod tests {
         let mut m = IssueMachine::at(Status::Pending);
         assert_eq!(
             m.observe(Status::Done),
-            Err(IllegalTransition { from: Status::Pending, to: Status::Done })
+            Err(IllegalTransition {
+                from: Status::Pending,
+                to: Status::Done
+            })
         );
         assert_eq!(m.status(), Status::Pending);
         assert_eq!(m.observe(Status::Pending), Ok(None));

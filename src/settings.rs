@@ -47,7 +47,10 @@ impl Settings {
             }
         };
         take("content_gen_timeout_s", &mut s.content_gen_timeout_s);
-        take("content_gen_min_completion", &mut s.content_gen_min_completion);
+        take(
+            "content_gen_min_completion",
+            &mut s.content_gen_min_completion,
+        );
         take("top_k", &mut s.top_k);
         take("lookback_hours", &mut s.lookback_hours);
         take("max_attempts", &mut s.max_attempts);

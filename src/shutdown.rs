@@ -6,7 +6,9 @@ use tokio_util::sync::CancellationToken;
 /// Cancels `token` on the first SIGINT or SIGTERM.
 pub fn cancel_on_signal(token: CancellationToken) {
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        let mut term = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops this process");

@@ -70,7 +70,8 @@ impl TransitionStream {
             if self.reading_log {
                 let client = self.pool.get().await.map_err(DbError::from)?;
                 let page =
-                    db::transition::read_after(&**client, self.last_seq, self.issue_id, PAGE).await?;
+                    db::transition::read_after(&**client, self.last_seq, self.issue_id, PAGE)
+                        .await?;
                 self.reading_log = page.len() as i64 == PAGE;
                 self.backlog.extend(page);
                 continue;

@@ -27,13 +27,12 @@ pub fn render(t: &Transition, style: TailStyle) -> String {
         })
         .to_string(),
         TailStyle::Plain | TailStyle::Color => {
-            let at = t
-                .at
-                .to_offset(time::UtcOffset::UTC)
-                .format(format_description!(
-                    "[year]-[month]-[day] [hour]:[minute]:[second].[subsecond digits:3]Z"
-                ))
-                .unwrap_or_default();
+            let at =
+                t.at.to_offset(time::UtcOffset::UTC)
+                    .format(format_description!(
+                        "[year]-[month]-[day] [hour]:[minute]:[second].[subsecond digits:3]Z"
+                    ))
+                    .unwrap_or_default();
             let from = t.from.map_or("(new)", Status::as_str);
             let color = style == TailStyle::Color;
             format!(
@@ -89,7 +88,8 @@ mod tests {
 
     #[test]
     fn json_lines_carry_the_payload_fields() {
-        let v: serde_json::Value = serde_json::from_str(&render(&sample(), TailStyle::Json)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&render(&sample(), TailStyle::Json)).unwrap();
         assert_eq!(v["seq"], 42);
         assert_eq!(v["issue_id"], 7);
         assert_eq!(v["from"], "PENDING");

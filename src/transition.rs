@@ -34,7 +34,10 @@ mod tests {
     fn parses_the_payload_postgres_sends() {
         let payload = r#"{"seq" : 42, "issue_id" : 7, "from" : null, "to" : "PENDING", "at" : "2026-11-29T20:14:12.123456+00:00"}"#;
         let t = Transition::from_payload(payload).unwrap();
-        assert_eq!((t.seq, t.issue_id, t.from, t.to), (42, 7, None, Status::Pending));
+        assert_eq!(
+            (t.seq, t.issue_id, t.from, t.to),
+            (42, 7, None, Status::Pending)
+        );
         assert_eq!(t.at.microsecond(), 123_456);
         let again = Transition::from_payload(&serde_json::to_string(&t).unwrap()).unwrap();
         assert_eq!(again, t);

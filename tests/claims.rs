@@ -96,11 +96,15 @@ async fn storm_of_overlapping_claims_claims_every_issue_exactly_once() {
     assert_eq!(duplicates, 0, "no issue may be claimed twice");
     assert_eq!(counts.len(), ISSUES, "every issue claimed");
     assert_eq!(
-        db.scalar_i64("SELECT count(*) FROM issue WHERE processing_status='IN_PROGRESS' AND attempts=1").await,
+        db.scalar_i64(
+            "SELECT count(*) FROM issue WHERE processing_status='IN_PROGRESS' AND attempts=1"
+        )
+        .await,
         ISSUES as i64
     );
     assert_eq!(
-        db.scalar_i64("SELECT count(*) FROM issue_transition WHERE to_status='IN_PROGRESS'").await,
+        db.scalar_i64("SELECT count(*) FROM issue_transition WHERE to_status='IN_PROGRESS'")
+            .await,
         ISSUES as i64,
         "one logged claim per issue"
     );
@@ -124,12 +128,20 @@ async fn duplicate_and_unknown_ids_are_handled_not_errors() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
     let client = db.pool.get().await.unwrap();
-    let outcome = claim_issues(&client, &[ids[0], ids[0], 9_999_999, ids[1]], "w", LEASE, ClaimScope::Claimable)
-        .await
-        .unwrap();
+    let outcome = claim_issues(
+        &client,
+        &[ids[0], ids[0], 9_999_999, ids[1]],
+        "w",
+        LEASE,
+        ClaimScope::Claimable,
+    )
+    .await
+    .unwrap();
     assert_eq!(outcome.claimed_ids(), vec![ids[0], ids[1]]);
     assert_eq!(outcome.skipped, vec![9_999_999]);
-    let again = claim_issues(&client, &ids, "w", LEASE, ClaimScope::Claimable).await.unwrap();
+    let again = claim_issues(&client, &ids, "w", LEASE, ClaimScope::Claimable)
+        .await
+        .unwrap();
     assert!(again.claimed.is_empty());
     assert_eq!(again.skipped, ids);
     let first = &outcome.claimed[0];
@@ -142,17 +154,29 @@ async fn a_claim_skips_rows_locked_by_an_open_claim_without_waiting() {
     let ids = db.add_issues(3).await;
     let mut holder = db.pool.get().await.unwrap();
     let open = holder.transaction().await.unwrap();
-    let held = claim_issues(&open, &ids[..2], "holder", LEASE, ClaimScope::Claimable).await.unwrap();
-    assert_eq!(held.claimed_ids(), ids[..2].to_vec());
-    let other = db.pool.get().await.unwrap();
-    let outcome = within(5, "a non-blocking claim", claim_issues(&other, &ids, "other", LEASE, ClaimScope::Claimable))
+    let held = claim_issues(&open, &ids[..2], "holder", LEASE, ClaimScope::Claimable)
         .await
         .unwrap();
+    assert_eq!(held.claimed_ids(), ids[..2].to_vec());
+    let other = db.pool.get().await.unwrap();
+    let outcome = within(
+        5,
+        "a non-blocking claim",
+        claim_issues(&other, &ids, "other", LEASE, ClaimScope::Claimable),
+    )
+    .await
+    .unwrap();
     assert_eq!(outcome.claimed_ids(), vec![ids[2]]);
     assert_eq!(outcome.skipped, ids[..2].to_vec());
     open.rollback().await.unwrap();
-    let after = claim_issues(&other, &ids, "other", LEASE, ClaimScope::Claimable).await.unwrap();
-    assert_eq!(after.claimed_ids(), ids[..2].to_vec(), "rolled-back claims are claimable again");
+    let after = claim_issues(&other, &ids, "other", LEASE, ClaimScope::Claimable)
+        .await
+        .unwrap();
+    assert_eq!(
+        after.claimed_ids(),
+        ids[..2].to_vec(),
+        "rolled-back claims are claimable again"
+    );
 }
 
 #[tokio::test]
@@ -162,7 +186,9 @@ async fn a_key_share_lock_from_an_article_insert_does_not_hide_an_issue() {
     // What inserting an ai_article does to its issue (foreign key check).
     let other = db.raw().await;
     other
-        .batch_execute(&format!("BEGIN; SELECT 1 FROM issue WHERE id = {id} FOR KEY SHARE"))
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM issue WHERE id = {id} FOR KEY SHARE"
+        ))
         .await
         .unwrap();
     // The trap: FOR UPDATE SKIP LOCKED would skip the row.
@@ -174,10 +200,19 @@ async fn a_key_share_lock_from_an_article_insert_does_not_hide_an_issue() {
         )
         .await
         .unwrap();
-    assert!(with_for_update.is_empty(), "FOR UPDATE conflicts with KEY SHARE");
+    assert!(
+        with_for_update.is_empty(),
+        "FOR UPDATE conflicts with KEY SHARE"
+    );
     let client = db.pool.get().await.unwrap();
-    let outcome = claim_issues(&client, &[id], "w", LEASE, ClaimScope::Claimable).await.unwrap();
-    assert_eq!(outcome.claimed_ids(), vec![id], "FOR NO KEY UPDATE does not");
+    let outcome = claim_issues(&client, &[id], "w", LEASE, ClaimScope::Claimable)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome.claimed_ids(),
+        vec![id],
+        "FOR NO KEY UPDATE does not"
+    );
     other.batch_execute("COMMIT").await.unwrap();
 }
 
@@ -189,14 +224,32 @@ async fn retries_take_only_failed_issues_with_attempts_left() {
     // ids[0]: FAILED after 1 attempt; ids[1]: FAILED after 3; ids[2]: PENDING.
     for (id, attempts) in [(ids[0], 1), (ids[1], 3)] {
         for _ in 0..attempts {
-            sql.execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id]).await.unwrap();
-            sql.execute("UPDATE issue SET processing_status='FAILED' WHERE id=$1", &[&id]).await.unwrap();
+            sql.execute(
+                "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+            sql.execute(
+                "UPDATE issue SET processing_status='FAILED' WHERE id=$1",
+                &[&id],
+            )
+            .await
+            .unwrap();
         }
     }
     let client = db.pool.get().await.unwrap();
-    let retry = claim_issues(&client, &ids, "retry", LEASE, ClaimScope::RetryBelow(3)).await.unwrap();
+    let retry = claim_issues(&client, &ids, "retry", LEASE, ClaimScope::RetryBelow(3))
+        .await
+        .unwrap();
     assert_eq!(retry.claimed_ids(), vec![ids[0]]);
     assert_eq!(retry.claimed[0].attempts, 2);
-    let explicit = claim_issues(&client, &ids, "op", LEASE, ClaimScope::Claimable).await.unwrap();
-    assert_eq!(explicit.claimed_ids(), vec![ids[1], ids[2]], "an explicit request takes exhausted ones too");
+    let explicit = claim_issues(&client, &ids, "op", LEASE, ClaimScope::Claimable)
+        .await
+        .unwrap();
+    assert_eq!(
+        explicit.claimed_ids(),
+        vec![ids[1], ids[2]],
+        "an explicit request takes exhausted ones too"
+    );
 }

@@ -45,12 +45,26 @@ async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
                 .unwrap()
         })
         .collect();
-    let outputs: Vec<Output> = racers.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
-    assert!(outputs.iter().all(|o| o.status.success()), "{:?}", outputs.iter().map(|o| text(&o.stderr)).collect::<Vec<_>>());
-    let applied = outputs.iter().filter(|o| text(&o.stdout).contains("applied")).count();
+    let outputs: Vec<Output> = racers
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    assert!(
+        outputs.iter().all(|o| o.status.success()),
+        "{:?}",
+        outputs.iter().map(|o| text(&o.stderr)).collect::<Vec<_>>()
+    );
+    let applied = outputs
+        .iter()
+        .filter(|o| text(&o.stdout).contains("applied"))
+        .count();
     assert_eq!(applied, 1, "exactly one racer applies the migrations");
     for db in [&db, &other] {
-        assert_eq!(db.scalar_i64("SELECT count(*) FROM newsnack_migration").await, 3);
+        assert_eq!(
+            db.scalar_i64("SELECT count(*) FROM newsnack_migration")
+                .await,
+            3
+        );
         assert_eq!(
             db.scalar_i64("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'issue'::regclass AND NOT tgisinternal").await,
             4
@@ -62,30 +76,67 @@ async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
 #[tokio::test]
 async fn add_claim_status_and_retry_round_trip() {
     let db = TestDb::new().await;
-    let added = newsnack(&db.url, &["issues", "add", "--title", "Rates rise", "--body", "The bank raised rates.", "--score", "9.5"]);
+    let added = newsnack(
+        &db.url,
+        &[
+            "issues",
+            "add",
+            "--title",
+            "Rates rise",
+            "--body",
+            "The bank raised rates.",
+            "--score",
+            "9.5",
+        ],
+    );
     assert!(added.status.success(), "{}", text(&added.stderr));
     let ids: serde_json::Value = serde_json::from_slice(&added.stdout).unwrap();
     let id = ids["ids"][0].as_i64().unwrap();
 
-    let claimed = newsnack(&db.url, &["claim", &id.to_string(), &id.to_string(), "999999"]);
+    let claimed = newsnack(
+        &db.url,
+        &["claim", &id.to_string(), &id.to_string(), "999999"],
+    );
     assert!(claimed.status.success());
     let outcome: serde_json::Value = serde_json::from_slice(&claimed.stdout).unwrap();
-    assert_eq!(outcome, serde_json::json!({"claimed": [id], "skipped": [999999]}));
+    assert_eq!(
+        outcome,
+        serde_json::json!({"claimed": [id], "skipped": [999999]})
+    );
 
     let again = newsnack(&db.url, &["claim", &id.to_string()]);
-    assert_eq!(again.status.code(), Some(1), "nothing claimable is a failure");
+    assert_eq!(
+        again.status.code(),
+        Some(1),
+        "nothing claimable is a failure"
+    );
 
     let status = text(&newsnack(&db.url, &["status"]).stdout);
-    assert!(status.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["IN_PROGRESS", "1"]), "{status}");
+    assert!(
+        status
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["IN_PROGRESS", "1"]),
+        "{status}"
+    );
 
     let not_failed = newsnack(&db.url, &["retry", &id.to_string()]);
     assert_eq!(not_failed.status.code(), Some(1));
     let sql = db.raw().await;
-    sql.execute("UPDATE issue SET processing_status='FAILED' WHERE id=$1", &[&id]).await.unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status='FAILED' WHERE id=$1",
+        &[&id],
+    )
+    .await
+    .unwrap();
     let reset = newsnack(&db.url, &["retry", &id.to_string()]);
     assert!(reset.status.success());
-    let shown: serde_json::Value = serde_json::from_slice(&newsnack(&db.url, &["issues", "show", &id.to_string()]).stdout).unwrap();
-    assert_eq!((shown["status"].as_str(), shown["attempts"].as_i64()), (Some("PENDING"), Some(0)));
+    let shown: serde_json::Value =
+        serde_json::from_slice(&newsnack(&db.url, &["issues", "show", &id.to_string()]).stdout)
+            .unwrap();
+    assert_eq!(
+        (shown["status"].as_str(), shown["attempts"].as_i64()),
+        (Some("PENDING"), Some(0))
+    );
 }
 
 #[tokio::test]
@@ -93,15 +144,29 @@ async fn issues_from_a_json_file() {
     let db = TestDb::new().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("issues.json");
-    std::fs::write(&path, r#"{"issues":[{"title":"A","body":"a","score":1},{"title":"B","score":2.5}]}"#).unwrap();
-    let out = newsnack(&db.url, &["issues", "add", "--file", path.to_str().unwrap()]);
+    std::fs::write(
+        &path,
+        r#"{"issues":[{"title":"A","body":"a","score":1},{"title":"B","score":2.5}]}"#,
+    )
+    .unwrap();
+    let out = newsnack(
+        &db.url,
+        &["issues", "add", "--file", path.to_str().unwrap()],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(db.scalar_i64("SELECT count(*) FROM issue").await, 2);
     std::fs::write(&path, r#"[{"title":"","score":1}]"#).unwrap();
-    let bad = newsnack(&db.url, &["issues", "add", "--file", path.to_str().unwrap()]);
+    let bad = newsnack(
+        &db.url,
+        &["issues", "add", "--file", path.to_str().unwrap()],
+    );
     assert_eq!(bad.status.code(), Some(1));
     assert!(text(&bad.stderr).contains("title must not be blank"));
-    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue").await, 2, "a bad file changes nothing");
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue").await,
+        2,
+        "a bad file changes nothing"
+    );
 }
 
 #[tokio::test]
@@ -117,7 +182,17 @@ async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
         (&["settings", "set", "nope", "1"], "unknown setting"),
         (&["settings", "get", "nope"], "unknown setting"),
         (&["issues", "show", "424242"], "no issue with id 424242"),
-        (&["issues", "add", "--title", "x", "--collected-at", "yesterday"], "RFC 3339"),
+        (
+            &[
+                "issues",
+                "add",
+                "--title",
+                "x",
+                "--collected-at",
+                "yesterday",
+            ],
+            "RFC 3339",
+        ),
     ];
     for (args, expected) in cases {
         let out = newsnack(&db.url, args);
@@ -136,8 +211,15 @@ async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
         .output()
         .unwrap();
     assert!(text(&unset.stderr).contains("DATABASE_URL is not set"));
-    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue_transition").await, before);
-    assert_eq!(db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'").await, 5);
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue_transition").await,
+        before
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'")
+            .await,
+        5
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,10 +243,18 @@ async fn tail_json_replays_history_and_follows_live_one_object_per_line() {
     assert_eq!(history[0]["to"], "PENDING");
     assert_eq!(history[0]["from"], serde_json::Value::Null);
     let sql = db.raw().await;
-    sql.execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&ids[1]]).await.unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+        &[&ids[1]],
+    )
+    .await
+    .unwrap();
     let live = tokio::task::block_in_place(|| read(1));
     assert_eq!(live[0]["issue_id"], ids[1]);
-    assert_eq!((live[0]["from"].as_str(), live[0]["to"].as_str()), (Some("PENDING"), Some("IN_PROGRESS")));
+    assert_eq!(
+        (live[0]["from"].as_str(), live[0]["to"].as_str()),
+        (Some("PENDING"), Some("IN_PROGRESS"))
+    );
     assert!(live[0]["seq"].as_i64().unwrap() > history[1]["seq"].as_i64().unwrap());
     assert!(live[0]["at"].as_str().unwrap().contains('T'));
     // Ctrl-C ends it cleanly.

@@ -34,7 +34,10 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
     let writing = tokio::spawn(async move {
         for id in ids {
             writer
-                .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id])
+                .execute(
+                    "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+                    &[&id],
+                )
                 .await
                 .unwrap();
             tokio::task::yield_now().await;
@@ -85,7 +88,10 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
 
     let client = db.pool.get().await.unwrap();
     let logged: Vec<i64> = client
-        .query("SELECT seq FROM issue_transition WHERE seq > $1 ORDER BY seq", &[&start_seq])
+        .query(
+            "SELECT seq FROM issue_transition WHERE seq > $1 ORDER BY seq",
+            &[&start_seq],
+        )
         .await
         .unwrap()
         .iter()
@@ -93,7 +99,11 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
         .collect();
     let seqs: Vec<i64> = seen.iter().map(|t| t.seq).collect();
     assert_eq!(seqs, logged, "exactly the log, in order, once each");
-    assert!(hub.status().borrow().reconnects >= KILLS, "{:?}", hub.status().borrow());
+    assert!(
+        hub.status().borrow().reconnects >= KILLS,
+        "{:?}",
+        hub.status().borrow()
+    );
     stop.cancel();
 }
 
@@ -104,18 +114,34 @@ async fn settings_changes_are_announced_to_the_hub() {
     let mut changes = hub.settings_changed();
     changes.borrow_and_update();
     let sql = db.raw().await;
-    sql.execute("UPDATE setting SET value='7' WHERE key='top_k'", &[]).await.unwrap();
-    within(10, "the settings notification", changes.changed()).await.unwrap();
+    sql.execute("UPDATE setting SET value='7' WHERE key='top_k'", &[])
+        .await
+        .unwrap();
+    within(10, "the settings notification", changes.changed())
+        .await
+        .unwrap();
     let bad = sql
         .execute("UPDATE setting SET value='zero' WHERE key='top_k'", &[])
         .await
         .unwrap_err();
-    assert!(bad.as_db_error().unwrap().message().contains("whole number"));
+    assert!(bad
+        .as_db_error()
+        .unwrap()
+        .message()
+        .contains("whole number"));
     let unknown = sql
         .execute("INSERT INTO setting (key, value) VALUES ('nope', '1')", &[])
         .await
         .unwrap_err();
-    assert!(unknown.as_db_error().unwrap().message().contains("unknown setting"));
-    assert_eq!(db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'").await, 7);
+    assert!(unknown
+        .as_db_error()
+        .unwrap()
+        .message()
+        .contains("unknown setting"));
+    assert_eq!(
+        db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'")
+            .await,
+        7
+    );
     stop.cancel();
 }

@@ -34,7 +34,10 @@ async fn until_blocked(observer: &Client, pid: i32) {
 /// Reads `seq > last` like a naive follower would.
 async fn read_after(client: &Client, table: &str, last: i64) -> Vec<i64> {
     client
-        .query(&format!("SELECT seq FROM {table} WHERE seq > $1 ORDER BY seq"), &[&last])
+        .query(
+            &format!("SELECT seq FROM {table} WHERE seq > $1 ORDER BY seq"),
+            &[&last],
+        )
         .await
         .unwrap()
         .iter()
@@ -53,14 +56,21 @@ async fn a_naive_sequence_log_lets_a_follower_skip_a_late_commit() {
         .unwrap();
     let a = db.raw().await;
     let b = db.raw().await;
-    a.batch_execute("BEGIN; INSERT INTO naive_log (note) VALUES ('a')").await.unwrap();
-    b.batch_execute("BEGIN; INSERT INTO naive_log (note) VALUES ('b'); COMMIT").await.unwrap();
+    a.batch_execute("BEGIN; INSERT INTO naive_log (note) VALUES ('a')")
+        .await
+        .unwrap();
+    b.batch_execute("BEGIN; INSERT INTO naive_log (note) VALUES ('b'); COMMIT")
+        .await
+        .unwrap();
     let follower = db.raw().await;
     let first = read_after(&follower, "naive_log", 0).await;
     assert_eq!(first, vec![2], "the higher seq is visible first");
     a.batch_execute("COMMIT").await.unwrap();
     let next = read_after(&follower, "naive_log", *first.last().unwrap()).await;
-    assert!(next.is_empty(), "the follower never sees seq 1: it was skipped");
+    assert!(
+        next.is_empty(),
+        "the follower never sees seq 1: it was skipped"
+    );
 }
 
 #[tokio::test]
@@ -71,31 +81,51 @@ async fn the_transition_log_never_lets_a_lower_seq_commit_after_a_higher_one() {
     let b = db.raw().await;
     let observer = db.raw().await;
     // A takes its seq now (constraints immediate) and stays open.
-    a.batch_execute("BEGIN; SET CONSTRAINTS ALL IMMEDIATE").await.unwrap();
-    a.execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&ids[0]])
+    a.batch_execute("BEGIN; SET CONSTRAINTS ALL IMMEDIATE")
         .await
         .unwrap();
+    a.execute(
+        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+        &[&ids[0]],
+    )
+    .await
+    .unwrap();
     let a_seq: i64 = a
-        .query_one("SELECT max(seq) FROM issue_transition WHERE issue_id=$1", &[&ids[0]])
+        .query_one(
+            "SELECT max(seq) FROM issue_transition WHERE issue_id=$1",
+            &[&ids[0]],
+        )
         .await
         .unwrap()
         .get(0);
     // B tries to commit a later transition first: it must wait for A.
-    let b_pid: i32 = b.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    let b_pid: i32 = b
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
     let b_id = ids[1];
     let b_commit = tokio::spawn(async move {
-        b.execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&b_id])
-            .await
-            .unwrap();
+        b.execute(
+            "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+            &[&b_id],
+        )
+        .await
+        .unwrap();
         b
     });
     until_blocked(&observer, b_pid).await;
-    let last_before = db.scalar_i64("SELECT COALESCE(max(seq), 0) FROM issue_transition").await;
+    let last_before = db
+        .scalar_i64("SELECT COALESCE(max(seq), 0) FROM issue_transition")
+        .await;
     assert!(last_before < a_seq, "nothing of A or B is visible yet");
     a.batch_execute("COMMIT").await.unwrap();
     let b = within(10, "B to commit", b_commit).await.unwrap();
     let b_seq: i64 = b
-        .query_one("SELECT max(seq) FROM issue_transition WHERE issue_id=$1", &[&b_id])
+        .query_one(
+            "SELECT max(seq) FROM issue_transition WHERE issue_id=$1",
+            &[&b_id],
+        )
         .await
         .unwrap()
         .get(0);
@@ -117,7 +147,10 @@ async fn stream_after_gives_history_then_live_without_gaps_or_repeats() {
         async move {
             for id in ids {
                 writer
-                    .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id])
+                    .execute(
+                        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+                        &[&id],
+                    )
                     .await
                     .unwrap();
             }
@@ -136,12 +169,19 @@ async fn stream_after_gives_history_then_live_without_gaps_or_repeats() {
     })
     .await;
     claim.await.unwrap();
-    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "strictly increasing: {seqs:?}");
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "strictly increasing: {seqs:?}"
+    );
     assert_eq!(claimed, ids, "every claim once, in commit order");
     let total = db.scalar_i64("SELECT count(*) FROM issue_transition").await;
     assert_eq!(total, 60);
     // Nothing more is pending in the stream.
-    assert!(tokio::time::timeout(Duration::from_millis(200), stream.next()).await.is_err());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), stream.next())
+            .await
+            .is_err()
+    );
     stop.cancel();
 }
 
@@ -152,7 +192,10 @@ async fn a_filtered_stream_resumes_from_a_seq_for_one_issue() {
     let writer = db.raw().await;
     for id in &ids {
         writer
-            .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[id])
+            .execute(
+                "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+                &[id],
+            )
             .await
             .unwrap();
     }

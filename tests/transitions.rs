@@ -25,7 +25,10 @@ async fn sql_rules_and_rust_machine_agree_on_all_16_pairs() {
     for from in Status::ALL {
         for to in Status::ALL {
             let id: i64 = sql
-                .query_one("INSERT INTO issue (title) VALUES ('pair') RETURNING id", &[])
+                .query_one(
+                    "INSERT INTO issue (title) VALUES ('pair') RETURNING id",
+                    &[],
+                )
                 .await
                 .unwrap()
                 .get(0);
@@ -38,7 +41,10 @@ async fn sql_rules_and_rust_machine_agree_on_all_16_pairs() {
                 .unwrap();
             }
             let logged_before: i64 = sql
-                .query_one("SELECT count(*) FROM issue_transition WHERE issue_id = $1", &[&id])
+                .query_one(
+                    "SELECT count(*) FROM issue_transition WHERE issue_id = $1",
+                    &[&id],
+                )
                 .await
                 .unwrap()
                 .get(0);
@@ -60,11 +66,16 @@ async fn sql_rules_and_rust_machine_agree_on_all_16_pairs() {
             if let Err(e) = &result {
                 let msg = e.as_db_error().unwrap().message().to_string();
                 assert!(
-                    msg.contains(&id.to_string()) && msg.contains(from.as_str()) && msg.contains(to.as_str()),
+                    msg.contains(&id.to_string())
+                        && msg.contains(from.as_str())
+                        && msg.contains(to.as_str()),
                     "error must name the issue and both statuses: {msg}"
                 );
                 assert_eq!(now, from.as_str(), "a rejected change leaves the status");
-                assert_eq!(logged_after, logged_before, "a rejected change is not logged");
+                assert_eq!(
+                    logged_after, logged_before,
+                    "a rejected change is not logged"
+                );
             } else if from == to {
                 assert_eq!(logged_after, logged_before, "no change is not a transition");
             } else {
@@ -77,7 +88,10 @@ async fn sql_rules_and_rust_machine_agree_on_all_16_pairs() {
                 "SQL and the machine disagree on {from} -> {to}"
             );
             let sql_fn: bool = sql
-                .query_one("SELECT issue_transition_is_legal($1, $2)", &[&from.as_str(), &to.as_str()])
+                .query_one(
+                    "SELECT issue_transition_is_legal($1, $2)",
+                    &[&from.as_str(), &to.as_str()],
+                )
                 .await
                 .unwrap()
                 .get(0);
@@ -94,7 +108,10 @@ async fn raw_sql_transition_reaches_a_subscriber_with_from_to_and_seq() {
     let mut live = hub.subscribe();
     let other = db.raw().await;
     other
-        .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id])
+        .execute(
+            "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+            &[&id],
+        )
         .await
         .unwrap();
     let t = within(10, "the transition", live.recv()).await.unwrap();
@@ -106,7 +123,10 @@ async fn raw_sql_transition_reaches_a_subscriber_with_from_to_and_seq() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!((t.issue_id, t.from, t.to, t.seq), (id, Some(Status::Pending), Status::InProgress, logged));
+    assert_eq!(
+        (t.issue_id, t.from, t.to, t.seq),
+        (id, Some(Status::Pending), Status::InProgress, logged)
+    );
     stop.cancel();
 }
 
@@ -117,26 +137,48 @@ async fn illegal_raw_sql_is_rejected_and_changes_nothing() {
     let other = db.raw().await;
     let before = db.scalar_i64("SELECT count(*) FROM issue_transition").await;
     let err = other
-        .execute("UPDATE issue SET processing_status='DONE', last_error='x' WHERE id=$1", &[&id])
+        .execute(
+            "UPDATE issue SET processing_status='DONE', last_error='x' WHERE id=$1",
+            &[&id],
+        )
         .await
         .unwrap_err();
     let msg = err.as_db_error().unwrap().message().to_string();
-    assert_eq!(msg, format!("illegal status transition for issue {id}: PENDING -> DONE"));
+    assert_eq!(
+        msg,
+        format!("illegal status transition for issue {id}: PENDING -> DONE")
+    );
     let row = other
-        .query_one("SELECT processing_status, last_error FROM issue WHERE id=$1", &[&id])
+        .query_one(
+            "SELECT processing_status, last_error FROM issue WHERE id=$1",
+            &[&id],
+        )
         .await
         .unwrap();
     assert_eq!(row.get::<_, String>(0), "PENDING");
     assert_eq!(row.get::<_, Option<String>>(1), None);
-    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue_transition").await, before);
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue_transition").await,
+        before
+    );
 
     let err = other
-        .execute("INSERT INTO issue (title, processing_status) VALUES ('x', 'DONE')", &[])
+        .execute(
+            "INSERT INTO issue (title, processing_status) VALUES ('x', 'DONE')",
+            &[],
+        )
         .await
         .unwrap_err();
-    assert!(err.as_db_error().unwrap().message().contains("must start PENDING"));
+    assert!(err
+        .as_db_error()
+        .unwrap()
+        .message()
+        .contains("must start PENDING"));
     let err = other
-        .execute("UPDATE issue SET processing_status='SOMETHING' WHERE id=$1", &[&id])
+        .execute(
+            "UPDATE issue SET processing_status='SOMETHING' WHERE id=$1",
+            &[&id],
+        )
         .await
         .unwrap_err();
     assert!(err.as_db_error().is_some());
@@ -148,7 +190,9 @@ async fn inserts_are_logged_as_the_initial_pending() {
     let (hub, stop) = db.listener().await;
     let mut live = hub.subscribe();
     let id = db.add_issues(1).await[0];
-    let t = within(10, "the insert's transition", live.recv()).await.unwrap();
+    let t = within(10, "the insert's transition", live.recv())
+        .await
+        .unwrap();
     assert_eq!((t.issue_id, t.from, t.to), (id, None, Status::Pending));
     stop.cancel();
 }
@@ -161,11 +205,17 @@ async fn claim_bumps_attempts_and_issues_a_new_fencing_token_for_any_writer() {
     let mut tokens = Vec::new();
     for attempt in 1..=2 {
         other
-            .execute("UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1", &[&id])
+            .execute(
+                "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+                &[&id],
+            )
             .await
             .unwrap();
         let row = other
-            .query_one("SELECT attempts, claim_id, lease_until > now() FROM issue WHERE id=$1", &[&id])
+            .query_one(
+                "SELECT attempts, claim_id, lease_until > now() FROM issue WHERE id=$1",
+                &[&id],
+            )
             .await
             .unwrap();
         assert_eq!(row.get::<_, i32>(0), attempt);
@@ -181,14 +231,21 @@ async fn claim_bumps_attempts_and_issues_a_new_fencing_token_for_any_writer() {
     }
     assert_ne!(tokens[0], tokens[1]);
     other
-        .execute("UPDATE issue SET processing_status='PENDING' WHERE id=$1", &[&id])
+        .execute(
+            "UPDATE issue SET processing_status='PENDING' WHERE id=$1",
+            &[&id],
+        )
         .await
         .unwrap();
     let row = other
         .query_one("SELECT attempts, last_error FROM issue WHERE id=$1", &[&id])
         .await
         .unwrap();
-    assert_eq!(row.get::<_, i32>(0), 0, "an operator reset restores the retry budget");
+    assert_eq!(
+        row.get::<_, i32>(0),
+        0,
+        "an operator reset restores the retry budget"
+    );
     assert_eq!(row.get::<_, Option<String>>(1), None);
     let reason: Option<String> = other
         .query_one(

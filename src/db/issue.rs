@@ -136,7 +136,10 @@ pub async fn get_issue(client: &impl GenericClient, id: i64) -> Result<Option<Is
 }
 
 /// Several issues by id, in id order; unknown ids are simply absent.
-pub async fn get_issues(client: &impl GenericClient, ids: &[i64]) -> Result<Vec<IssueView>, DbError> {
+pub async fn get_issues(
+    client: &impl GenericClient,
+    ids: &[i64],
+) -> Result<Vec<IssueView>, DbError> {
     let statement = client
         .prepare_cached(&format!(
             "SELECT {VIEW_COLUMNS} FROM issue WHERE id = ANY($1) ORDER BY id"
@@ -161,7 +164,9 @@ pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status,
     let mut counts: Vec<(Status, i64)> = Status::ALL.iter().map(|&s| (s, 0)).collect();
     for row in rows {
         let status: String = row.get(0);
-        let status: Status = status.parse().map_err(|e| DbError::Invalid(format!("{e}")))?;
+        let status: Status = status
+            .parse()
+            .map_err(|e| DbError::Invalid(format!("{e}")))?;
         if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == status) {
             slot.1 = row.get(1);
         }

@@ -54,7 +54,10 @@ pub async fn migrate(client: &mut Client) -> Result<MigrationReport, DbError> {
     )
     .await?;
     let done: Vec<i32> = tx
-        .query("SELECT version FROM newsnack_migration ORDER BY version", &[])
+        .query(
+            "SELECT version FROM newsnack_migration ORDER BY version",
+            &[],
+        )
         .await?
         .iter()
         .map(|row| row.get(0))

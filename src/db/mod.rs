@@ -77,8 +77,9 @@ fn describe(e: &tokio_postgres::Error) -> String {
 /// (so `pg_stat_activity` and `newsnack locks` say who is who) and TCP
 /// keepalives (so a half-open connection is noticed).
 pub fn pg_config(url: &str, application_name: &str) -> Result<tokio_postgres::Config, DbError> {
-    let mut config: tokio_postgres::Config =
-        url.parse().map_err(|e: tokio_postgres::Error| DbError::BadUrl(describe(&e)))?;
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| DbError::BadUrl(describe(&e)))?;
     if config.get_application_name().is_none() {
         config.application_name(application_name);
     }
@@ -109,10 +110,7 @@ impl Default for PoolOptions {
 }
 
 /// Builds a pool. Connections are opened lazily, on first use.
-pub fn pool(
-    config: tokio_postgres::Config,
-    options: &PoolOptions,
-) -> Result<DbPool, DbError> {
+pub fn pool(config: tokio_postgres::Config, options: &PoolOptions) -> Result<DbPool, DbError> {
     let manager = Manager::from_config(
         config,
         NoTls,

@@ -43,7 +43,10 @@ fn server() -> &'static Server {
             let config: tokio_postgres::Config = url.parse().expect("DATABASE_URL must parse");
             let db = config.get_dbname().unwrap_or("postgres").to_string();
             let template = url.replacen(&format!("/{db}"), "/{db}", 1);
-            assert!(template.contains("{db}"), "DATABASE_URL must name a database");
+            assert!(
+                template.contains("{db}"),
+                "DATABASE_URL must name a database"
+            );
             return Server {
                 admin_url: url,
                 url_template: template,
@@ -53,7 +56,10 @@ fn server() -> &'static Server {
             durable: false,
             settings: vec![
                 ("max_connections".into(), "600".into()),
-                ("shared_preload_libraries".into(), "pg_stat_statements".into()),
+                (
+                    "shared_preload_libraries".into(),
+                    "pg_stat_statements".into(),
+                ),
             ],
         };
         let cluster = EmbeddedPostgres::start(&options).expect("start the test cluster");
@@ -177,11 +183,19 @@ impl TestDb {
         self.listener_with(ListenerOptions::default()).await
     }
 
-    pub async fn listener_with(&self, options: ListenerOptions) -> (TransitionHub, CancellationToken) {
+    pub async fn listener_with(
+        &self,
+        options: ListenerOptions,
+    ) -> (TransitionHub, CancellationToken) {
         let token = CancellationToken::new();
-        let (hub, _task) = Listener::start(self.config.clone(), self.pool.clone(), options, token.clone())
-            .await
-            .expect("start listener");
+        let (hub, _task) = Listener::start(
+            self.config.clone(),
+            self.pool.clone(),
+            options,
+            token.clone(),
+        )
+        .await
+        .expect("start listener");
         (hub, token)
     }
 
@@ -198,7 +212,11 @@ impl TestDb {
         let client = self.pool.get().await.unwrap();
         let mut ids = Vec::with_capacity(n);
         for chunk in issues.chunks(1000) {
-            ids.extend(newsnack::db::issue::insert_issues(&client, chunk).await.unwrap());
+            ids.extend(
+                newsnack::db::issue::insert_issues(&client, chunk)
+                    .await
+                    .unwrap(),
+            );
         }
         ids
     }
