@@ -21,7 +21,10 @@ CREATE TABLE issue (
     -- IN_PROGRESS), who holds it and until when without a heartbeat.
     claim_id          bigint,
     claimed_by        text,
-    lease_until       timestamptz
+    lease_until       timestamptz,
+    -- Set by a failure that asked for patience (e.g. an LLM's Retry-After):
+    -- automatic retries do not claim the issue before then.
+    retry_not_before  timestamptz
 );
 
 -- Top-K selection scans recent issues; the reaper scans live leases only.

@@ -73,6 +73,7 @@ BEGIN
         WHEN 'IN_PROGRESS' THEN
             -- Every claim, by anyone, is a new attempt with a new fencing token.
             NEW.attempts := OLD.attempts + 1;
+            NEW.retry_not_before := NULL;
             IF NEW.claim_id IS NOT DISTINCT FROM OLD.claim_id THEN
                 NEW.claim_id := nextval('issue_claim_id_seq');
             END IF;
@@ -83,6 +84,7 @@ BEGIN
             -- Operator reset: a fresh start with a full retry budget.
             NEW.attempts := 0;
             NEW.last_error := NULL;
+            NEW.retry_not_before := NULL;
             NEW.lease_until := NULL;
             NEW.claimed_by := NULL;
         WHEN 'DONE' THEN

@@ -20,7 +20,9 @@ INSERT INTO setting_spec (key, default_value, min_value, max_value, description)
     ('lookback_hours', '24', 1, 8760, 'pipeline: only issues collected this recently are candidates'),
     ('max_attempts', '3', 1, 100, 'generation: attempts per issue before it stays FAILED'),
     ('lease_s', '60', 1, 86400, 'generation: how long a claim lives without a heartbeat'),
-    ('generation_concurrency', '8', 1, 1024, 'generation: LLM calls in flight per instance');
+    ('generation_concurrency', '8', 1, 1024, 'generation: LLM calls in flight per instance'),
+    ('retry_backoff_ms', '2000', 1, 3600000, 'generation: first retry delay; doubles per attempt, with jitter'),
+    ('retry_backoff_max_ms', '300000', 1, 86400000, 'generation: longest retry delay');
 
 CREATE FUNCTION setting_validate() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE

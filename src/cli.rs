@@ -34,6 +34,9 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the service: HTTP API, listener, generation workers, retries,
+    /// lease reaper. Without DATABASE_URL, on a throwaway embedded cluster.
+    Serve(ServeArgs),
     /// Apply the schema (idempotent; safe to run from several places at once).
     Migrate,
     /// Follow status transitions live until Ctrl-C.
@@ -58,6 +61,23 @@ pub enum Command {
     /// Read and change runtime settings (take effect without a restart).
     #[command(subcommand)]
     Settings(SettingsCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address of the HTTP API.
+    #[arg(long, env = "NEWSNACK_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// This instance's name in claims and logs (default: host:pid).
+    #[arg(long, env = "NEWSNACK_INSTANCE")]
+    pub instance: Option<String>,
+    /// Database connections in the pool.
+    #[arg(long, env = "NEWSNACK_DB_POOL", default_value_t = 16, value_parser = clap::value_parser!(u16).range(2..=1000))]
+    pub pool_size: u16,
+    /// Seconds in-flight generations may finish after SIGTERM or Ctrl-C
+    /// before they are released as FAILED (reason `shutdown`).
+    #[arg(long, env = "NEWSNACK_SHUTDOWN_GRACE_S", default_value_t = 10)]
+    pub grace_s: u64,
 }
 
 #[derive(Debug, Args)]
@@ -125,6 +145,10 @@ pub enum CliError {
     Input(#[from] InvalidInput),
     #[error(transparent)]
     Embedded(#[from] EmbeddedError),
+    #[error(transparent)]
+    Serve(#[from] crate::serve::ServeError),
+    #[error(transparent)]
+    Writer(#[from] crate::writer::WriterConfigError),
     #[error("{0}")]
     Failed(String),
 }
@@ -133,6 +157,7 @@ pub enum CliError {
 pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     let url = cli.database_url.clone();
     match cli.command {
+        Command::Serve(args) => serve(url, args).await,
         Command::Migrate => migrate(&required(url)?).await,
         Command::Tail(args) => tail(&required(url)?, args).await,
         Command::Claim { ids } => claim(&required(url)?, &ids).await,
@@ -161,6 +186,29 @@ async fn open(url: &str) -> Result<(DbPool, tokio_postgres::Config), CliError> {
     )?;
     drop(pool.get().await.map_err(DbError::from)?);
     Ok((pool, config))
+}
+
+async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliError> {
+    let writer = crate::writer::build(&crate::writer::WriterConfig::from_env()?)?;
+    tracing::info!(writer = writer.name(), "writer ready");
+    let options = crate::serve::ServeOptions {
+        listen: args.listen,
+        database_url: url.filter(|u| !u.trim().is_empty()),
+        instance: args
+            .instance
+            .unwrap_or_else(crate::serve::default_instance_name),
+        pool_size: args.pool_size as usize,
+        grace: Duration::from_secs(args.grace_s),
+    };
+    let embedded = options.database_url.is_none();
+    let service = crate::serve::start(options, writer).await?;
+    if embedded {
+        println!("database: {} (throwaway, deleted on exit)", service.database_url);
+    }
+    println!("newsnack serving on http://{}", service.addr);
+    crate::shutdown::cancel_on_signal(service.shutdown_token());
+    service.wait().await?;
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn migrate(url: &str) -> Result<ExitCode, CliError> {

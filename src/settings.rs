@@ -20,6 +20,8 @@ pub struct Settings {
     pub max_attempts: i64,
     pub lease_s: i64,
     pub generation_concurrency: i64,
+    pub retry_backoff_ms: i64,
+    pub retry_backoff_max_ms: i64,
 }
 
 impl Default for Settings {
@@ -32,6 +34,8 @@ impl Default for Settings {
             max_attempts: 3,
             lease_s: 60,
             generation_concurrency: 8,
+            retry_backoff_ms: 2000,
+            retry_backoff_max_ms: 300_000,
         }
     }
 }
@@ -56,11 +60,24 @@ impl Settings {
         take("max_attempts", &mut s.max_attempts);
         take("lease_s", &mut s.lease_s);
         take("generation_concurrency", &mut s.generation_concurrency);
+        take("retry_backoff_ms", &mut s.retry_backoff_ms);
+        take("retry_backoff_max_ms", &mut s.retry_backoff_max_ms);
         s
     }
 
     pub fn lease(&self) -> Duration {
         Duration::from_secs(self.lease_s.max(1) as u64)
+    }
+
+    /// The delay before retry number `attempts` (1-based attempts so far):
+    /// exponential from `retry_backoff_ms`, capped, with ±50% jitter.
+    pub fn retry_delay(&self, attempts: i32) -> Duration {
+        let base = self.retry_backoff_ms.max(1) as f64;
+        let cap = self.retry_backoff_max_ms.max(1) as f64;
+        let exponent = (attempts.max(1) - 1).min(30);
+        let ms = (base * 2f64.powi(exponent)).min(cap);
+        let jittered = ms * rand::random_range(0.5..1.5);
+        Duration::from_millis(jittered.round() as u64)
     }
 
     pub fn wait_timeout(&self) -> Duration {

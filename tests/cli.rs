@@ -69,7 +69,7 @@ async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
             db.scalar_i64("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'issue'::regclass AND NOT tgisinternal").await,
             4
         );
-        assert_eq!(db.scalar_i64("SELECT count(*) FROM setting").await, 7);
+        assert_eq!(db.scalar_i64("SELECT count(*) FROM setting").await, 9);
     }
 }
 

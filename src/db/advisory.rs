@@ -21,3 +21,53 @@ pub fn name_of(key: i64) -> &'static str {
         _ => "other",
     }
 }
+
+/// A session-level advisory lock held on a connection of its own, never a
+/// pooled one: the lock lives exactly as long as this value. Dropping it
+/// (on any exit path, a panic or a cancelled task included) closes the
+/// connection, and PostgreSQL releases the lock with the session; if the
+/// process dies, the server notices the closed socket and does the same.
+pub struct AdvisoryLock {
+    client: tokio_postgres::Client,
+    key: i64,
+}
+
+impl AdvisoryLock {
+    /// Takes `key` without waiting; `Ok(None)` when another session holds it.
+    pub async fn try_acquire(
+        config: &tokio_postgres::Config,
+        key: i64,
+        holder: &str,
+    ) -> Result<Option<AdvisoryLock>, super::DbError> {
+        let mut config = config.clone();
+        config.application_name(&format!("newsnack-lock:{}:{holder}", name_of(key)));
+        let client = super::connect(&config).await?;
+        let taken: bool = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+            .await?
+            .get(0);
+        Ok(taken.then_some(AdvisoryLock { client, key }))
+    }
+
+    pub fn key(&self) -> i64 {
+        self.key
+    }
+
+    /// True while the holding session is alive (and so still holds the lock).
+    pub async fn is_held(&self) -> bool {
+        !self.client.is_closed() && self.client.simple_query("SELECT 1").await.is_ok()
+    }
+
+    /// The holding session, for work that must happen under the lock.
+    pub fn client(&self) -> &tokio_postgres::Client {
+        &self.client
+    }
+
+    /// Releases the lock explicitly and closes the session.
+    pub async fn release(self) {
+        let _ = self
+            .client
+            .execute("SELECT pg_advisory_unlock($1)", &[&self.key])
+            .await;
+    }
+}

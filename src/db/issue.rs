@@ -71,7 +71,8 @@ impl ClaimOutcome {
 pub enum ClaimScope {
     /// `PENDING` or `FAILED`, whatever the attempts so far: an explicit request.
     Claimable,
-    /// Only `FAILED` issues with fewer than this many attempts: a retry.
+    /// Only `FAILED` issues with fewer than this many attempts whose
+    /// `retry_not_before` has passed: an automatic retry.
     RetryBelow(i32),
 }
 
@@ -201,6 +202,7 @@ pub async fn claim_issues(
                   WHERE CASE WHEN $4::integer IS NULL
                              THEN i.processing_status IN ('PENDING', 'FAILED')
                              ELSE i.processing_status = 'FAILED' AND i.attempts < $4::integer
+                                  AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
                         END
                   ORDER BY i.id
                     FOR NO KEY UPDATE OF i SKIP LOCKED
@@ -283,4 +285,177 @@ pub async fn reset_failed(client: &impl GenericClient, ids: &[i64]) -> Result<Ve
     let mut reset: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
     reset.sort_unstable();
     Ok(reset)
+}
+
+/// How a fenced write ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fenced {
+    /// The claim was current and the write happened.
+    Written,
+    /// The claim was no longer current (reaped, re-claimed, or finished by
+    /// someone else): nothing was written.
+    Lost,
+}
+
+/// Completes a claim in one transaction: sets `DONE` and stores the article,
+/// only if the issue is still `IN_PROGRESS` under this very claim.
+pub async fn complete(
+    client: &mut deadpool_postgres::Client,
+    id: i64,
+    claim_id: i64,
+    headline: &str,
+    body: &str,
+    writer: &str,
+) -> Result<Fenced, DbError> {
+    let tx = client.transaction().await?;
+    // Locks the row first, so no reaper or late worker can interleave.
+    let done = tx
+        .prepare_cached(
+            "UPDATE issue SET processing_status = 'DONE'
+              WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS'",
+        )
+        .await?;
+    if tx.execute(&done, &[&id, &claim_id]).await? == 0 {
+        tx.rollback().await?;
+        return Ok(Fenced::Lost);
+    }
+    let insert = tx
+        .prepare_cached(
+            "INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .await?;
+    tx.execute(&insert, &[&id, &headline, &body, &writer, &claim_id])
+        .await?;
+    tx.commit().await?;
+    Ok(Fenced::Written)
+}
+
+/// Whether and when a failed issue may be retried automatically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryPolicy {
+    /// After the usual backoff, but not before this long (e.g. Retry-After).
+    After(Option<Duration>),
+    /// Never automatically (a fatal error): stored as
+    /// `retry_not_before = 'infinity'` until an operator resets the issue.
+    Never,
+}
+
+/// Fails a claim (`IN_PROGRESS -> FAILED`) with a reason, only if it is
+/// still current.
+pub async fn fail(
+    client: &impl GenericClient,
+    id: i64,
+    claim_id: i64,
+    reason: &str,
+    retry: RetryPolicy,
+) -> Result<Fenced, DbError> {
+    let statement = client
+        .prepare_cached(
+            "UPDATE issue SET processing_status = 'FAILED', last_error = $3,
+                    retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
+                                            ELSE now() + make_interval(secs => $4::float8) END
+              WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS'",
+        )
+        .await?;
+    let (wait, never): (Option<f64>, bool) = match retry {
+        RetryPolicy::After(d) => (d.map(|d| d.as_secs_f64()), false),
+        RetryPolicy::Never => (None, true),
+    };
+    let n = client
+        .execute(&statement, &[&id, &claim_id, &reason, &wait, &never])
+        .await?;
+    Ok(if n == 1 { Fenced::Written } else { Fenced::Lost })
+}
+
+/// Moves `IN_PROGRESS` issues whose lease has expired to `FAILED` with
+/// reason `lease expired`. A guarded compare-and-set: a row is taken only if,
+/// when locked, it is still `IN_PROGRESS` under the same claim with its lease
+/// still expired, so an issue completed or heartbeated in between is left
+/// alone; rows locked by a finishing worker are skipped, not waited for.
+pub async fn reap_expired(client: &impl GenericClient, limit: i64) -> Result<Vec<i64>, DbError> {
+    let statement = client
+        .prepare_cached(
+            "WITH expired AS MATERIALIZED (
+                 SELECT id, claim_id FROM issue
+                  WHERE processing_status = 'IN_PROGRESS' AND lease_until < now()
+                  ORDER BY lease_until
+                  LIMIT $1
+                    FOR NO KEY UPDATE SKIP LOCKED
+             )
+             UPDATE issue i
+                SET processing_status = 'FAILED', last_error = 'lease expired'
+               FROM expired e
+              WHERE i.id = e.id AND i.claim_id = e.claim_id
+                AND i.processing_status = 'IN_PROGRESS' AND i.lease_until < now()
+          RETURNING i.id",
+        )
+        .await?;
+    let mut ids: Vec<i64> = client
+        .query(&statement, &[&limit])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    ids.sort_unstable();
+    Ok(ids)
+}
+
+/// What the retry scheduler needs to know about a failed issue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryState {
+    pub id: i64,
+    pub status: Status,
+    pub attempts: i32,
+    /// Not before this time (finite), if set.
+    pub retry_not_before: Option<OffsetDateTime>,
+    /// A fatal failure: no automatic retry at all.
+    pub never: bool,
+}
+
+/// The retry-relevant state of some issues (unknown ids are absent).
+pub async fn retry_state(client: &impl GenericClient, ids: &[i64]) -> Result<Vec<RetryState>, DbError> {
+    let statement = client
+        .prepare_cached(
+            "SELECT id, processing_status, attempts,
+                    CASE WHEN isfinite(retry_not_before) THEN retry_not_before END,
+                    COALESCE(retry_not_before = 'infinity', false)
+               FROM issue WHERE id = ANY($1) ORDER BY id",
+        )
+        .await?;
+    client
+        .query(&statement, &[&ids])
+        .await?
+        .iter()
+        .map(|r| {
+            let status: String = r.get(1);
+            Ok(RetryState {
+                id: r.get(0),
+                status: status.parse().map_err(|e| DbError::Invalid(format!("{e}")))?,
+                attempts: r.get(2),
+                retry_not_before: r.get(3),
+                never: r.get(4),
+            })
+        })
+        .collect()
+}
+
+/// `FAILED` issues that still have attempts left, for a retry scheduler
+/// starting up (failures may have happened while nothing was running).
+pub async fn failed_with_attempts_left(
+    client: &impl GenericClient,
+    max_attempts: i32,
+) -> Result<Vec<i64>, DbError> {
+    Ok(client
+        .query(
+            "SELECT id FROM issue
+              WHERE processing_status = 'FAILED' AND attempts < $1
+                AND (retry_not_before IS NULL OR retry_not_before <> 'infinity')
+              ORDER BY id",
+            &[&max_attempts],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
 }

@@ -12,6 +12,8 @@ use std::time::Duration;
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::listener::{Listener, ListenerOptions, TransitionHub};
+use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::writer::SharedWriter;
 use tokio_postgres::{Client, NoTls};
 use tokio_util::sync::CancellationToken;
 
@@ -221,11 +223,52 @@ impl TestDb {
         ids
     }
 
+    /// Starts the whole service in-process on a free port, with `writer`.
+    pub async fn serve(&self, instance: &str, writer: SharedWriter) -> RunningService {
+        newsnack::serve::start(
+            ServeOptions {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                database_url: Some(self.url.clone()),
+                instance: instance.into(),
+                pool_size: 16,
+                grace: Duration::from_secs(5),
+            },
+            writer,
+        )
+        .await
+        .expect("start the service")
+    }
+
+    /// Sets a runtime setting through SQL, as an operator would.
+    pub async fn set(&self, key: &str, value: &str) {
+        let client = self.pool.get().await.unwrap();
+        newsnack::db::setting::set(&client, key, value).await.unwrap();
+    }
+
     /// One scalar from a query, for assertions.
     pub async fn scalar_i64(&self, sql: &str) -> i64 {
         let client = self.pool.get().await.unwrap();
         client.query_one(sql, &[]).await.unwrap().get(0)
     }
+}
+
+/// Waits until `check` (a query returning one boolean) is true, re-checking
+/// whenever a transition is announced. Fails after `secs` seconds.
+pub async fn until_sql(db: &TestDb, hub: &TransitionHub, secs: u64, sql: &str) {
+    let mut live = hub.subscribe();
+    within(secs, sql, async {
+        loop {
+            let client = db.pool.get().await.unwrap();
+            let done: bool = client.query_one(sql, &[]).await.unwrap().get(0);
+            drop(client);
+            if done {
+                return;
+            }
+            // Re-check on the next transition (or a lag notice).
+            let _ = live.recv().await;
+        }
+    })
+    .await
 }
 
 /// Waits for `fut` at most `secs` seconds, failing the test with `what`.

@@ -1,0 +1,49 @@
+//! `POST /ai-articles`: claim issues for generation. The claimable ones
+//! (`PENDING` or `FAILED`, not locked by a concurrent claim) are claimed
+//! through `SKIP LOCKED` and handed to this instance's generator; the
+//! answer is 202 with what was claimed and skipped, or 409 when nothing was.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use serde::Deserialize;
+
+use super::error::{ApiError, ApiJson};
+use super::AppState;
+use crate::db::issue::ClaimScope;
+use crate::input;
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/ai-articles", post(request_articles))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ArticleRequest {
+    issue_ids: Vec<i64>,
+}
+
+async fn request_articles(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<ArticleRequest>,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    input::check_ids("issue_ids", &request.issue_ids)?;
+    let settings = state.settings.get().await?;
+    let outcome = state
+        .claimer
+        .claim(request.issue_ids, settings.lease(), ClaimScope::Claimable)
+        .await?;
+    let body = serde_json::json!({
+        "claimed": outcome.claimed_ids(),
+        "skipped": outcome.skipped,
+    });
+    if outcome.claimed.is_empty() {
+        return Err(ApiError::Conflict(
+            "none of the requested issues is claimable (each is in progress, done, or unknown)".into(),
+            body,
+        ));
+    }
+    state.generator.submit(outcome.claimed);
+    Ok((StatusCode::ACCEPTED, Json(body)))
+}

@@ -1,0 +1,119 @@
+//! The one error type of the HTTP API: every failure becomes a status code
+//! and a `{"error": "..."}` body. Internal details are logged, never sent.
+
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::de::DeserializeOwned;
+
+use crate::db::DbError;
+use crate::input::InvalidInput;
+
+/// An API failure.
+#[derive(Debug)]
+pub enum ApiError {
+    /// 400/413/415/422 and friends, with a message for the client.
+    Client(StatusCode, String),
+    /// 409 with extra fields next to `error`.
+    Conflict(String, serde_json::Value),
+    NotFound(String),
+    Unauthorized,
+    /// 503: the database is out of reach or out of connections.
+    Unavailable(String),
+    /// 500: logged in full, answered briefly.
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::Client(StatusCode::BAD_REQUEST, message.into())
+    }
+
+    pub fn unprocessable(message: impl Into<String>) -> ApiError {
+        ApiError::Client(StatusCode::UNPROCESSABLE_ENTITY, message.into())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, body) = match self {
+            ApiError::Client(status, message) => (status, serde_json::json!({ "error": message })),
+            ApiError::Conflict(message, extra) => {
+                let mut body = serde_json::json!({ "error": message });
+                if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+                    body.extend(extra.clone());
+                }
+                (StatusCode::CONFLICT, body)
+            }
+            ApiError::NotFound(message) => (StatusCode::NOT_FOUND, serde_json::json!({ "error": message })),
+            ApiError::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                serde_json::json!({ "error": "missing or wrong bearer token" }),
+            ),
+            ApiError::Unavailable(message) => {
+                tracing::warn!(%message, "answering 503");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    serde_json::json!({ "error": "the database is busy or unreachable; try again" }),
+                )
+            }
+            ApiError::Internal(message) => {
+                tracing::error!(%message, "answering 500");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    serde_json::json!({ "error": "internal error" }),
+                )
+            }
+        };
+        (status, Json(body)).into_response()
+    }
+}
+
+impl From<InvalidInput> for ApiError {
+    fn from(e: InvalidInput) -> Self {
+        ApiError::unprocessable(e.to_string())
+    }
+}
+
+impl From<DbError> for ApiError {
+    fn from(e: DbError) -> Self {
+        use tokio_postgres::error::SqlState;
+        match &e {
+            DbError::Pool(_) => ApiError::Unavailable(e.to_string()),
+            _ if e.code() == Some(&SqlState::CHECK_VIOLATION) => {
+                ApiError::unprocessable(e.server_message().unwrap_or("rejected by a database rule"))
+            }
+            _ => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        ApiError::Client(rejection.status(), rejection.body_text())
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        ApiError::bad_request(rejection.body_text())
+    }
+}
+
+/// `Json<T>` whose rejections answer in the API's error shape.
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    S: Send + Sync,
+    T: DeserializeOwned,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let Json(value) = Json::<T>::from_request(req, state).await?;
+        Ok(ApiJson(value))
+    }
+}

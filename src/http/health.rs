@@ -1,0 +1,38 @@
+//! `GET /healthz` (the process answers) and `GET /readyz` (the database is
+//! reachable and the listener is connected).
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::{Json, Router};
+
+use super::AppState;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_json::Value>) {
+    let database = match state.pool.get().await {
+        Ok(client) => client.simple_query("SELECT 1").await.is_ok(),
+        Err(_) => false,
+    };
+    let listener = state.hub.status().borrow().connected;
+    let ready = database && listener;
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let mut body = serde_json::json!({ "database": database, "listener": listener });
+    if !ready {
+        body["error"] = serde_json::json!("not ready");
+    }
+    (status, Json(body))
+}

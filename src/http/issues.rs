@@ -1,0 +1,58 @@
+//! `POST /issues` (add issues) and `GET /issues/{id}` (one issue).
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+
+use super::error::{ApiError, ApiJson};
+use super::AppState;
+use crate::api_types::NewIssueJson;
+use crate::db::issue::{self, IssueView, NewIssue};
+use crate::input;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/issues", post(add_issues))
+        .route("/issues/{id}", get(show_issue))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddIssues {
+    issues: Vec<NewIssueJson>,
+}
+
+async fn add_issues(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<AddIssues>,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    let new: Vec<NewIssue> = request.issues.into_iter().map(NewIssue::from).collect();
+    input::check_new_issues(&new)?;
+    let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
+    let ids = issue::insert_issues(&client, &new).await?;
+    Ok((StatusCode::CREATED, Json(serde_json::json!({ "ids": ids }))))
+}
+
+/// Parses the path id, so `/issues/abc` gets the API's error shape.
+pub(super) fn parse_id(raw: &str) -> Result<i64, ApiError> {
+    match raw.parse::<i64>() {
+        Ok(id) if id > 0 => Ok(id),
+        _ => Err(ApiError::bad_request(format!(
+            "issue id must be a positive integer, got {raw:?}"
+        ))),
+    }
+}
+
+async fn show_issue(
+    State(state): State<AppState>,
+    Path(raw): Path<String>,
+) -> Result<Json<IssueView>, ApiError> {
+    let id = parse_id(&raw)?;
+    let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
+    issue::get_issue(&client, id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no issue with id {id}")))
+}

@@ -1,0 +1,93 @@
+//! The lease reaper: returns the issues of crashed or stuck workers.
+//!
+//! One instance at a time reaps, the one holding the `lease-reaper`
+//! advisory lock on a connection of its own (never a pooled one). Every
+//! tick it moves `IN_PROGRESS` issues whose lease expired to `FAILED` with
+//! reason `lease expired` (a guarded compare-and-set, see
+//! [`crate::db::issue::reap_expired`]); the retry scheduler then retries
+//! them. If the holder dies, its session ends, the lock is free, and another
+//! instance takes over at its next tick.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::db::advisory::{self, AdvisoryLock};
+use crate::db::issue;
+use crate::db::DbPool;
+use crate::settings::SettingsCache;
+
+/// The reaper service of one instance.
+pub struct LeaseReaper {
+    pub config: tokio_postgres::Config,
+    pub pool: DbPool,
+    pub settings: Arc<SettingsCache>,
+    pub instance: String,
+}
+
+impl LeaseReaper {
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut lock: Option<AdvisoryLock> = None;
+        loop {
+            let tick = self.tick_interval().await;
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(tick) => {}
+            }
+            if let Some(held) = &lock {
+                if !held.is_held().await {
+                    tracing::warn!("lost the reaper lock's session");
+                    lock = None;
+                }
+            }
+            if lock.is_none() {
+                match AdvisoryLock::try_acquire(&self.config, advisory::LEASE_REAPER, &self.instance).await {
+                    Ok(Some(taken)) => {
+                        tracing::info!("this instance is now the lease reaper");
+                        lock = Some(taken);
+                    }
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot try the reaper lock");
+                        continue;
+                    }
+                }
+            }
+            match self.reap().await {
+                Ok(ids) if !ids.is_empty() => tracing::warn!(?ids, "reaped expired leases"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "reaping failed"),
+            }
+        }
+        if let Some(lock) = lock {
+            lock.release().await;
+        }
+    }
+
+    async fn reap(&self) -> Result<Vec<i64>, crate::db::DbError> {
+        let client = self.pool.get().await?;
+        let mut all = Vec::new();
+        loop {
+            let batch = issue::reap_expired(&client, 500).await?;
+            let more = batch.len() == 500;
+            all.extend(batch);
+            if !more {
+                return Ok(all);
+            }
+        }
+    }
+
+    /// A quarter of the lease, between 200 ms and 5 s: expired leases are
+    /// noticed well within one lease length.
+    async fn tick_interval(&self) -> Duration {
+        let lease = self
+            .settings
+            .get()
+            .await
+            .map(|s| s.lease())
+            .unwrap_or(Duration::from_secs(60));
+        (lease / 4).clamp(Duration::from_millis(200), Duration::from_secs(5))
+    }
+}

@@ -1,0 +1,175 @@
+//! Retries as reactions of the state machine.
+//!
+//! The scheduler follows every transition (the service's own and other
+//! systems'), feeds each into that issue's [`IssueMachine`], and acts on
+//! the machine's reactions: when an issue enters `FAILED` with attempts
+//! left, it schedules a retry after exponential backoff with jitter (or the
+//! LLM's `Retry-After`, stored with the failure), then claims it through the
+//! same `SKIP LOCKED` statement as everyone else. With several instances,
+//! every one schedules the retry and exactly one wins the claim. Fatal
+//! failures and exhausted issues stay `FAILED` until an operator resets them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
+use tokio_util::time::{delay_queue, DelayQueue};
+
+use crate::claim::Claimer;
+use crate::db::issue::{self, ClaimScope};
+use crate::db::{DbError, DbPool};
+use crate::listener::TransitionHub;
+use crate::machine::{IssueMachine, Reaction};
+use crate::settings::SettingsCache;
+use crate::status::Status;
+use crate::transition::Transition;
+use crate::worker::GeneratorHandle;
+
+/// The retry service of one instance.
+pub struct RetryScheduler {
+    pub hub: TransitionHub,
+    pub pool: DbPool,
+    pub claimer: Claimer,
+    pub generator: GeneratorHandle,
+    pub settings: Arc<SettingsCache>,
+}
+
+struct State {
+    machines: HashMap<i64, IssueMachine>,
+    timers: DelayQueue<i64>,
+    pending: HashMap<i64, delay_queue::Key>,
+}
+
+impl RetryScheduler {
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut stream = self.hub.stream_after(self.hub.status().borrow().last_seq, None);
+        let mut state = State {
+            machines: HashMap::new(),
+            timers: DelayQueue::new(),
+            pending: HashMap::new(),
+        };
+        // Failures may have happened while no instance was running.
+        if let Err(e) = self.schedule_leftovers(&mut state).await {
+            tracing::warn!(error = %e, "could not look for failed issues to retry");
+        }
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                next = stream.next() => match next {
+                    Ok(t) => self.observe(&mut state, &t).await,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "retry scheduler lost its transition stream");
+                        return;
+                    }
+                },
+                Some(expired) = state.timers.next(), if !state.timers.is_empty() => {
+                    let id = expired.into_inner();
+                    state.pending.remove(&id);
+                    self.retry(id).await;
+                }
+            }
+        }
+    }
+
+    async fn schedule_leftovers(&self, state: &mut State) -> Result<(), DbError> {
+        let max = self.settings.get().await?.max_attempts as i32;
+        let client = self.pool.get().await?;
+        let ids = issue::failed_with_attempts_left(&client, max).await?;
+        drop(client);
+        for id in ids {
+            state.machines.insert(id, IssueMachine::at(Status::Failed));
+            self.schedule(state, id).await;
+        }
+        Ok(())
+    }
+
+    /// Feeds one transition to its issue's machine and carries out the
+    /// reaction.
+    async fn observe(&self, state: &mut State, t: &Transition) {
+        let machine = state
+            .machines
+            .entry(t.issue_id)
+            .or_insert_with(|| IssueMachine::at(t.from.unwrap_or(Status::Pending)));
+        let reaction = match machine.observe(t.to) {
+            Ok(reaction) => reaction,
+            Err(illegal) => {
+                // Only possible if this machine started from a stale view;
+                // the log is the truth, so follow it.
+                tracing::warn!(issue = t.issue_id, %illegal, "resynchronising the issue's machine");
+                *machine = IssueMachine::at(t.to);
+                None
+            }
+        };
+        match reaction {
+            Some(Reaction::ConsiderRetry) => self.schedule(state, t.issue_id).await,
+            Some(Reaction::Finished) => {
+                state.machines.remove(&t.issue_id);
+            }
+            Some(Reaction::WorkStarted) | Some(Reaction::BecameClaimable) => {
+                // Claimed by someone, or reset: no retry is due any more.
+                if let Some(key) = state.pending.remove(&t.issue_id) {
+                    state.timers.remove(&key);
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Schedules a retry of a `FAILED` issue if it has attempts left.
+    async fn schedule(&self, state: &mut State, id: i64) {
+        let decided = async {
+            let settings = self.settings.get().await?;
+            let client = self.pool.get().await?;
+            let found = issue::retry_state(&client, &[id]).await?;
+            Ok::<_, DbError>((settings, found.into_iter().next()))
+        };
+        let (settings, found) = match decided.await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(issue = id, error = %e, "cannot schedule a retry; the lease reaper will bring it back");
+                return;
+            }
+        };
+        let Some(issue) = found.filter(|i| i.status == Status::Failed) else {
+            return;
+        };
+        if issue.never || issue.attempts as i64 >= settings.max_attempts {
+            tracing::info!(issue = id, attempts = issue.attempts, fatal = issue.never, "no retry left; stays FAILED until reset");
+            state.machines.remove(&id);
+            return;
+        }
+        let mut delay = settings.retry_delay(issue.attempts);
+        if let Some(not_before) = issue.retry_not_before {
+            let wait = (not_before - OffsetDateTime::now_utc()).max(time::Duration::ZERO);
+            delay = delay.max(Duration::try_from(wait).unwrap_or_default());
+        }
+        tracing::debug!(issue = id, attempts = issue.attempts, ?delay, "retry scheduled");
+        if let Some(key) = state.pending.remove(&id) {
+            state.timers.remove(&key);
+        }
+        let key = state.timers.insert(id, delay);
+        state.pending.insert(id, key);
+    }
+
+    /// Claims a due retry; whoever wins generates it.
+    async fn retry(&self, id: i64) {
+        let attempt = async {
+            let settings = self.settings.get().await?;
+            self.claimer
+                .claim(vec![id], settings.lease(), ClaimScope::RetryBelow(settings.max_attempts as i32))
+                .await
+        };
+        match attempt.await {
+            Ok(outcome) if !outcome.claimed.is_empty() => {
+                tracing::info!(issue = id, attempt = outcome.claimed[0].attempts, "retrying");
+                self.generator.submit(outcome.claimed);
+            }
+            Ok(_) => tracing::debug!(issue = id, "retry not claimable here (taken elsewhere or not due)"),
+            Err(e) => tracing::warn!(issue = id, error = %e, "retry claim failed"),
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! `newsnack serve`: the long-running reactive service. Starts (in order)
+//! the database (given, or a throwaway embedded cluster), migrations, the
+//! one listener, the claimer, the generator, the retry scheduler, the lease
+//! reaper and the HTTP API; stops them all on one cancellation token.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::claim::Claimer;
+use crate::db::{self, DbError, PoolOptions};
+use crate::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedPostgres};
+use crate::http::{self, AppState};
+use crate::listener::{Listener, ListenerOptions, TransitionHub};
+use crate::reaper::LeaseReaper;
+use crate::retry::RetryScheduler;
+use crate::settings::SettingsCache;
+use crate::worker::Generator;
+use crate::writer::SharedWriter;
+
+/// How to run the service.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub listen: SocketAddr,
+    /// `None`: start a throwaway embedded cluster.
+    pub database_url: Option<String>,
+    /// Who claims: recorded in `issue.claimed_by`.
+    pub instance: String,
+    pub pool_size: usize,
+    /// How long in-flight generations may finish after shutdown begins.
+    pub grace: Duration,
+}
+
+/// Why the service could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Embedded(#[from] EmbeddedError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("HTTP server failed: {0}")]
+    Http(std::io::Error),
+}
+
+/// A started service.
+pub struct RunningService {
+    /// Where the API listens (the real port when asked for port 0).
+    pub addr: SocketAddr,
+    pub database_url: String,
+    pub hub: TransitionHub,
+    pool: db::DbPool,
+    shutdown: CancellationToken,
+    tasks: JoinSet<()>,
+    http: tokio::task::JoinHandle<Result<(), std::io::Error>>,
+    embedded: Option<EmbeddedPostgres>,
+}
+
+impl RunningService {
+    /// The token that stops everything.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Waits until shutdown is requested and everything has stopped.
+    pub async fn wait(mut self) -> Result<(), ServeError> {
+        self.shutdown.cancelled().await;
+        let http = (&mut self.http).await;
+        while self.tasks.join_next().await.is_some() {}
+        // Close pooled sessions before the embedded server goes away.
+        self.pool.close();
+        if let Some(cluster) = self.embedded.take() {
+            tokio::task::spawn_blocking(move || drop(cluster)).await.ok();
+        }
+        match http {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ServeError::Http(e)),
+            Err(e) => Err(ServeError::Http(std::io::Error::other(e))),
+        }
+    }
+
+    /// Requests shutdown and waits for it.
+    pub async fn stop(self) -> Result<(), ServeError> {
+        self.shutdown.cancel();
+        self.wait().await
+    }
+}
+
+/// Starts every part of the service. Returns once the API is listening.
+pub async fn start(options: ServeOptions, writer: SharedWriter) -> Result<RunningService, ServeError> {
+    let shutdown = CancellationToken::new();
+    let (database_url, embedded) = match &options.database_url {
+        Some(url) => (url.clone(), None),
+        None => {
+            let cluster = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(&EmbeddedOptions::default()))
+                .await
+                .map_err(|e| EmbeddedError::Io(std::io::Error::other(e)))??;
+            let admin = db::connect(&db::pg_config(&cluster.url("postgres"), "newsnack-setup")?).await?;
+            admin
+                .batch_execute("CREATE DATABASE newsnack")
+                .await
+                .map_err(DbError::from)?;
+            let url = cluster.url("newsnack");
+            tracing::info!(%url, "started a throwaway PostgreSQL cluster (deleted on exit)");
+            (url, Some(cluster))
+        }
+    };
+
+    let config = db::pg_config(&database_url, &format!("newsnack:{}", options.instance))?;
+    let mut migrator = db::connect(&config).await?;
+    let report = db::migrate::migrate(&mut migrator).await?;
+    if !report.applied.is_empty() {
+        tracing::info!(applied = ?report.applied, "schema migrated");
+    }
+    drop(migrator);
+
+    let pool = db::pool(
+        config.clone(),
+        &PoolOptions {
+            max_size: options.pool_size,
+            wait_timeout: Duration::from_secs(5),
+        },
+    )?;
+    let (hub, listener_task) =
+        Listener::start(config.clone(), pool.clone(), ListenerOptions::default(), shutdown.clone()).await?;
+    let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
+    let claimer = Claimer::start(pool.clone(), options.instance.clone(), 2);
+    let (generator, generator_handle) = Generator::new(
+        pool.clone(),
+        writer,
+        settings.clone(),
+        hub.settings_changed(),
+        options.grace,
+    );
+
+    let mut tasks = JoinSet::new();
+    tasks.spawn(async move {
+        let _ = listener_task.await;
+    });
+    tasks.spawn(generator.run(shutdown.clone()));
+    tasks.spawn(
+        RetryScheduler {
+            hub: hub.clone(),
+            pool: pool.clone(),
+            claimer: claimer.clone(),
+            generator: generator_handle.clone(),
+            settings: settings.clone(),
+        }
+        .run(shutdown.clone()),
+    );
+    tasks.spawn(
+        LeaseReaper {
+            config: config.clone(),
+            pool: pool.clone(),
+            settings: settings.clone(),
+            instance: options.instance.clone(),
+        }
+        .run(shutdown.clone()),
+    );
+
+    let app = http::router(AppState {
+        pool: pool.clone(),
+        hub: hub.clone(),
+        claimer,
+        generator: generator_handle,
+        settings,
+    });
+    let socket = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: options.listen,
+            source,
+        })?;
+    let addr = socket.local_addr().map_err(ServeError::Http)?;
+    let stop_http = shutdown.clone();
+    let http = tokio::spawn(async move {
+        axum::serve(socket, app)
+            .with_graceful_shutdown(async move { stop_http.cancelled().await })
+            .await
+    });
+    tracing::info!(%addr, instance = %options.instance, "newsnack is serving");
+    Ok(RunningService {
+        addr,
+        database_url,
+        hub,
+        pool,
+        shutdown,
+        tasks,
+        http,
+        embedded,
+    })
+}
+
+/// A default instance name: host and process id.
+pub fn default_instance_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into());
+    format!("{host}:{}", std::process::id())
+}

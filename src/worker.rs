@@ -1,0 +1,290 @@
+//! Generation workers: turn claimed issues into articles, exactly once each.
+//!
+//! Every claimed issue gets a task that heartbeats its lease while it waits
+//! for an LLM slot and while the writer works. Slots are a semaphore sized by
+//! the `generation_concurrency` setting, resized live when it changes, so a
+//! rate-limited LLM is not hammered harder. The outcome is written fenced by
+//! the claim's token: `DONE` plus the article in one transaction, or `FAILED`
+//! with the reason, and only if the issue is still `IN_PROGRESS` under this
+//! claim, so a reaped and re-claimed issue is never overwritten by a late
+//! worker.
+//!
+//! On shutdown the generator stops taking work, lets in-flight generations
+//! finish within a grace period, and releases the rest as `FAILED` with
+//! reason `shutdown` (they are retried by whichever instance remains).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::db::issue::{self, ClaimedIssue, Fenced, RetryPolicy};
+use crate::db::{DbError, DbPool};
+use crate::settings::SettingsCache;
+use crate::writer::{IssueText, SharedWriter};
+
+/// How a generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Generated {
+    Done,
+    Failed { reason: String, retryable: bool },
+    /// The claim was lost (reaped or re-claimed) before the outcome was
+    /// written; nothing was written.
+    ClaimLost,
+}
+
+/// Hands claimed issues to the generator. Cheap to clone.
+#[derive(Clone)]
+pub struct GeneratorHandle {
+    queue: mpsc::UnboundedSender<ClaimedIssue>,
+}
+
+impl GeneratorHandle {
+    /// Queues claimed issues for generation. Issues handed in after shutdown
+    /// began are released as `FAILED` (reason `shutdown`) by the generator.
+    pub fn submit(&self, issues: Vec<ClaimedIssue>) {
+        for issue in issues {
+            if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
+                tracing::warn!(issue = issue.id, "generator stopped; the lease will return this issue");
+            }
+        }
+    }
+}
+
+/// The generation service of one instance.
+pub struct Generator {
+    pool: DbPool,
+    writer: SharedWriter,
+    settings: Arc<SettingsCache>,
+    settings_changed: tokio::sync::watch::Receiver<u64>,
+    queue: mpsc::UnboundedReceiver<ClaimedIssue>,
+    /// How long in-flight generations may run on after shutdown.
+    grace: Duration,
+}
+
+impl Generator {
+    pub fn new(
+        pool: DbPool,
+        writer: SharedWriter,
+        settings: Arc<SettingsCache>,
+        settings_changed: tokio::sync::watch::Receiver<u64>,
+        grace: Duration,
+    ) -> (Generator, GeneratorHandle) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (
+            Generator {
+                pool,
+                writer,
+                settings,
+                settings_changed,
+                queue: rx,
+                grace,
+            },
+            GeneratorHandle { queue: tx },
+        )
+    }
+
+    /// Runs until `shutdown`, then drains as described in the module docs.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let initial = self
+            .settings
+            .get()
+            .await
+            .map(|s| s.generation_concurrency)
+            .unwrap_or(8)
+            .max(1) as usize;
+        let slots = Arc::new(Semaphore::new(initial));
+        let mut capacity = initial;
+        let mut inflight: JoinSet<()> = JoinSet::new();
+        let mut claims: HashMap<tokio::task::Id, (i64, i64)> = HashMap::new();
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                Some(done) = inflight.join_next_with_id(), if !inflight.is_empty() => {
+                    let id = match &done { Ok((id, _)) => *id, Err(e) => e.id() };
+                    claims.remove(&id);
+                }
+                Some(claimed) = self.queue.recv() => {
+                    let key = (claimed.id, claimed.claim_id);
+                    let task = inflight.spawn(generate(
+                        self.pool.clone(),
+                        self.writer.clone(),
+                        self.settings.clone(),
+                        slots.clone(),
+                        claimed,
+                    ));
+                    claims.insert(task.id(), key);
+                }
+                Ok(()) = self.settings_changed.changed() => {
+                    if let Ok(settings) = self.settings.get().await {
+                        capacity = resize(&slots, capacity, settings.generation_concurrency.max(1) as usize);
+                    }
+                }
+            }
+        }
+        self.drain(inflight, claims).await;
+    }
+
+    async fn drain(
+        mut self,
+        mut inflight: JoinSet<()>,
+        mut claims: HashMap<tokio::task::Id, (i64, i64)>,
+    ) {
+        self.queue.close();
+        let mut release: Vec<(i64, i64)> = Vec::new();
+        while let Ok(queued) = self.queue.try_recv() {
+            release.push((queued.id, queued.claim_id));
+        }
+        let deadline = tokio::time::sleep(self.grace);
+        tokio::pin!(deadline);
+        while !inflight.is_empty() {
+            tokio::select! {
+                _ = &mut deadline => break,
+                Some(done) = inflight.join_next_with_id() => {
+                    let id = match &done { Ok((id, _)) => *id, Err(e) => e.id() };
+                    claims.remove(&id);
+                }
+            }
+        }
+        inflight.abort_all();
+        while inflight.join_next().await.is_some() {}
+        release.extend(claims.into_values());
+        if release.is_empty() {
+            return;
+        }
+        tracing::info!(count = release.len(), "releasing unfinished generations as FAILED (shutdown)");
+        if let Ok(client) = self.pool.get().await {
+            for (id, claim_id) in release {
+                if let Err(e) = issue::fail(&client, id, claim_id, "shutdown", RetryPolicy::After(None)).await {
+                    tracing::warn!(issue = id, error = %e, "could not release; the lease will");
+                }
+            }
+        }
+    }
+}
+
+/// Grows or shrinks the LLM slots to `wanted`; returns the new capacity.
+fn resize(slots: &Arc<Semaphore>, current: usize, wanted: usize) -> usize {
+    if wanted > current {
+        slots.add_permits(wanted - current);
+    } else if wanted < current {
+        // Take the surplus out as permits come back.
+        let slots = slots.clone();
+        let surplus = (current - wanted) as u32;
+        tokio::spawn(async move {
+            if let Ok(permits) = slots.acquire_many(surplus).await {
+                permits.forget();
+            }
+        });
+    }
+    if wanted != current {
+        tracing::info!(from = current, to = wanted, "generation concurrency changed");
+    }
+    wanted
+}
+
+/// One issue, start to finish. Heartbeats the lease until the outcome is
+/// written; gives up at once if the claim is lost.
+async fn generate(
+    pool: DbPool,
+    writer: SharedWriter,
+    settings: Arc<SettingsCache>,
+    slots: Arc<Semaphore>,
+    claimed: ClaimedIssue,
+) {
+    let lease = match settings.get().await {
+        Ok(s) => s.lease(),
+        Err(_) => Duration::from_secs(60),
+    };
+    let work = async {
+        let _slot = slots.acquire().await.expect("the semaphore is never closed");
+        let started = std::time::Instant::now();
+        let result = writer.write(IssueText::from(&claimed)).await;
+        tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
+        record(&pool, &claimed, writer.name(), result).await
+    };
+    let outcome = tokio::select! {
+        outcome = work => outcome,
+        lost = heartbeat_until_lost(&pool, &claimed, lease) => lost,
+    };
+    match outcome {
+        Ok(Generated::Done) => tracing::info!(issue = claimed.id, attempt = claimed.attempts, "article written"),
+        Ok(Generated::Failed { reason, retryable }) => {
+            tracing::warn!(issue = claimed.id, attempt = claimed.attempts, retryable, %reason, "generation failed")
+        }
+        Ok(Generated::ClaimLost) => {
+            tracing::warn!(issue = claimed.id, claim = claimed.claim_id, "claim lost; result discarded")
+        }
+        Err(e) => tracing::error!(issue = claimed.id, error = %e, "could not record the outcome; the lease will return the issue"),
+    }
+}
+
+/// Writes the outcome, fenced by the claim.
+async fn record(
+    pool: &DbPool,
+    claimed: &ClaimedIssue,
+    writer_name: &str,
+    result: Result<crate::writer::Article, crate::writer::WriteError>,
+) -> Result<Generated, DbError> {
+    let mut client = pool.get().await?;
+    match result {
+        Ok(article) => {
+            let fenced = issue::complete(
+                &mut client,
+                claimed.id,
+                claimed.claim_id,
+                &article.headline,
+                &article.body,
+                writer_name,
+            )
+            .await?;
+            Ok(match fenced {
+                Fenced::Written => Generated::Done,
+                Fenced::Lost => Generated::ClaimLost,
+            })
+        }
+        Err(e) => {
+            let reason = e.to_string();
+            let retry = if e.is_retryable() {
+                RetryPolicy::After(e.retry_after())
+            } else {
+                RetryPolicy::Never
+            };
+            let fenced = issue::fail(&client, claimed.id, claimed.claim_id, &reason, retry).await?;
+            Ok(match fenced {
+                Fenced::Written => Generated::Failed {
+                    reason,
+                    retryable: e.is_retryable(),
+                },
+                Fenced::Lost => Generated::ClaimLost,
+            })
+        }
+    }
+}
+
+/// Extends the lease every third of its length; returns when the claim is
+/// no longer current. Database hiccups are retried until the lease would
+/// have run out anyway.
+async fn heartbeat_until_lost(
+    pool: &DbPool,
+    claimed: &ClaimedIssue,
+    lease: Duration,
+) -> Result<Generated, DbError> {
+    let every = (lease / 3).max(Duration::from_millis(100));
+    loop {
+        tokio::time::sleep(every).await;
+        let beat = async {
+            let client = pool.get().await?;
+            issue::heartbeat(&client, claimed.id, claimed.claim_id, lease).await
+        };
+        match beat.await {
+            Ok(true) => {}
+            Ok(false) => return Ok(Generated::ClaimLost),
+            Err(e) => tracing::warn!(issue = claimed.id, error = %e, "heartbeat failed; will try again"),
+        }
+    }
+}
