@@ -203,7 +203,10 @@ async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliErro
     let embedded = options.database_url.is_none();
     let service = crate::serve::start(options, writer).await?;
     if embedded {
-        println!("database: {} (throwaway, deleted on exit)", service.database_url);
+        println!(
+            "database: {} (throwaway, deleted on exit)",
+            service.database_url
+        );
     }
     println!("newsnack serving on http://{}", service.addr);
     crate::shutdown::cancel_on_signal(service.shutdown_token());

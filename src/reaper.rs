@@ -43,7 +43,13 @@ impl LeaseReaper {
                 }
             }
             if lock.is_none() {
-                match AdvisoryLock::try_acquire(&self.config, advisory::LEASE_REAPER, &self.instance).await {
+                match AdvisoryLock::try_acquire(
+                    &self.config,
+                    advisory::LEASE_REAPER,
+                    &self.instance,
+                )
+                .await
+                {
                     Ok(Some(taken)) => {
                         tracing::info!("this instance is now the lease reaper");
                         lock = Some(taken);

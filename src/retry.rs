@@ -45,7 +45,9 @@ struct State {
 
 impl RetryScheduler {
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut stream = self.hub.stream_after(self.hub.status().borrow().last_seq, None);
+        let mut stream = self
+            .hub
+            .stream_after(self.hub.status().borrow().last_seq, None);
         let mut state = State {
             machines: HashMap::new(),
             timers: DelayQueue::new(),
@@ -138,7 +140,12 @@ impl RetryScheduler {
             return;
         };
         if issue.never || issue.attempts as i64 >= settings.max_attempts {
-            tracing::info!(issue = id, attempts = issue.attempts, fatal = issue.never, "no retry left; stays FAILED until reset");
+            tracing::info!(
+                issue = id,
+                attempts = issue.attempts,
+                fatal = issue.never,
+                "no retry left; stays FAILED until reset"
+            );
             state.machines.remove(&id);
             return;
         }
@@ -147,7 +154,12 @@ impl RetryScheduler {
             let wait = (not_before - OffsetDateTime::now_utc()).max(time::Duration::ZERO);
             delay = delay.max(Duration::try_from(wait).unwrap_or_default());
         }
-        tracing::debug!(issue = id, attempts = issue.attempts, ?delay, "retry scheduled");
+        tracing::debug!(
+            issue = id,
+            attempts = issue.attempts,
+            ?delay,
+            "retry scheduled"
+        );
         if let Some(key) = state.pending.remove(&id) {
             state.timers.remove(&key);
         }
@@ -160,15 +172,26 @@ impl RetryScheduler {
         let attempt = async {
             let settings = self.settings.get().await?;
             self.claimer
-                .claim(vec![id], settings.lease(), ClaimScope::RetryBelow(settings.max_attempts as i32))
+                .claim(
+                    vec![id],
+                    settings.lease(),
+                    ClaimScope::RetryBelow(settings.max_attempts as i32),
+                )
                 .await
         };
         match attempt.await {
             Ok(outcome) if !outcome.claimed.is_empty() => {
-                tracing::info!(issue = id, attempt = outcome.claimed[0].attempts, "retrying");
+                tracing::info!(
+                    issue = id,
+                    attempt = outcome.claimed[0].attempts,
+                    "retrying"
+                );
                 self.generator.submit(outcome.claimed);
             }
-            Ok(_) => tracing::debug!(issue = id, "retry not claimable here (taken elsewhere or not due)"),
+            Ok(_) => tracing::debug!(
+                issue = id,
+                "retry not claimable here (taken elsewhere or not due)"
+            ),
             Err(e) => tracing::warn!(issue = id, error = %e, "retry claim failed"),
         }
     }

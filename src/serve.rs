@@ -77,7 +77,9 @@ impl RunningService {
         // Close pooled sessions before the embedded server goes away.
         self.pool.close();
         if let Some(cluster) = self.embedded.take() {
-            tokio::task::spawn_blocking(move || drop(cluster)).await.ok();
+            tokio::task::spawn_blocking(move || drop(cluster))
+                .await
+                .ok();
         }
         match http {
             Ok(Ok(())) => Ok(()),
@@ -94,15 +96,22 @@ impl RunningService {
 }
 
 /// Starts every part of the service. Returns once the API is listening.
-pub async fn start(options: ServeOptions, writer: SharedWriter) -> Result<RunningService, ServeError> {
+pub async fn start(
+    options: ServeOptions,
+    writer: SharedWriter,
+) -> Result<RunningService, ServeError> {
     let shutdown = CancellationToken::new();
     let (database_url, embedded) = match &options.database_url {
         Some(url) => (url.clone(), None),
         None => {
-            let cluster = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(&EmbeddedOptions::default()))
+            let cluster =
+                tokio::task::spawn_blocking(
+                    || EmbeddedPostgres::start(&EmbeddedOptions::default()),
+                )
                 .await
                 .map_err(|e| EmbeddedError::Io(std::io::Error::other(e)))??;
-            let admin = db::connect(&db::pg_config(&cluster.url("postgres"), "newsnack-setup")?).await?;
+            let admin =
+                db::connect(&db::pg_config(&cluster.url("postgres"), "newsnack-setup")?).await?;
             admin
                 .batch_execute("CREATE DATABASE newsnack")
                 .await
@@ -128,8 +137,13 @@ pub async fn start(options: ServeOptions, writer: SharedWriter) -> Result<Runnin
             wait_timeout: Duration::from_secs(5),
         },
     )?;
-    let (hub, listener_task) =
-        Listener::start(config.clone(), pool.clone(), ListenerOptions::default(), shutdown.clone()).await?;
+    let (hub, listener_task) = Listener::start(
+        config.clone(),
+        pool.clone(),
+        ListenerOptions::default(),
+        shutdown.clone(),
+    )
+    .await?;
     let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
     let claimer = Claimer::start(pool.clone(), options.instance.clone(), 2);
     let (generator, generator_handle) = Generator::new(

@@ -30,7 +30,10 @@ use crate::writer::{IssueText, SharedWriter};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Generated {
     Done,
-    Failed { reason: String, retryable: bool },
+    Failed {
+        reason: String,
+        retryable: bool,
+    },
     /// The claim was lost (reaped or re-claimed) before the outcome was
     /// written; nothing was written.
     ClaimLost,
@@ -48,7 +51,10 @@ impl GeneratorHandle {
     pub fn submit(&self, issues: Vec<ClaimedIssue>) {
         for issue in issues {
             if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
-                tracing::warn!(issue = issue.id, "generator stopped; the lease will return this issue");
+                tracing::warn!(
+                    issue = issue.id,
+                    "generator stopped; the lease will return this issue"
+                );
             }
         }
     }
@@ -156,10 +162,15 @@ impl Generator {
         if release.is_empty() {
             return;
         }
-        tracing::info!(count = release.len(), "releasing unfinished generations as FAILED (shutdown)");
+        tracing::info!(
+            count = release.len(),
+            "releasing unfinished generations as FAILED (shutdown)"
+        );
         if let Ok(client) = self.pool.get().await {
             for (id, claim_id) in release {
-                if let Err(e) = issue::fail(&client, id, claim_id, "shutdown", RetryPolicy::After(None)).await {
+                if let Err(e) =
+                    issue::fail(&client, id, claim_id, "shutdown", RetryPolicy::After(None)).await
+                {
                     tracing::warn!(issue = id, error = %e, "could not release; the lease will");
                 }
             }
@@ -182,7 +193,11 @@ fn resize(slots: &Arc<Semaphore>, current: usize, wanted: usize) -> usize {
         });
     }
     if wanted != current {
-        tracing::info!(from = current, to = wanted, "generation concurrency changed");
+        tracing::info!(
+            from = current,
+            to = wanted,
+            "generation concurrency changed"
+        );
     }
     wanted
 }
@@ -201,7 +216,10 @@ async fn generate(
         Err(_) => Duration::from_secs(60),
     };
     let work = async {
-        let _slot = slots.acquire().await.expect("the semaphore is never closed");
+        let _slot = slots
+            .acquire()
+            .await
+            .expect("the semaphore is never closed");
         let started = std::time::Instant::now();
         let result = writer.write(IssueText::from(&claimed)).await;
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
@@ -212,14 +230,24 @@ async fn generate(
         lost = heartbeat_until_lost(&pool, &claimed, lease) => lost,
     };
     match outcome {
-        Ok(Generated::Done) => tracing::info!(issue = claimed.id, attempt = claimed.attempts, "article written"),
+        Ok(Generated::Done) => tracing::info!(
+            issue = claimed.id,
+            attempt = claimed.attempts,
+            "article written"
+        ),
         Ok(Generated::Failed { reason, retryable }) => {
             tracing::warn!(issue = claimed.id, attempt = claimed.attempts, retryable, %reason, "generation failed")
         }
         Ok(Generated::ClaimLost) => {
-            tracing::warn!(issue = claimed.id, claim = claimed.claim_id, "claim lost; result discarded")
+            tracing::warn!(
+                issue = claimed.id,
+                claim = claimed.claim_id,
+                "claim lost; result discarded"
+            )
         }
-        Err(e) => tracing::error!(issue = claimed.id, error = %e, "could not record the outcome; the lease will return the issue"),
+        Err(e) => {
+            tracing::error!(issue = claimed.id, error = %e, "could not record the outcome; the lease will return the issue")
+        }
     }
 }
 
@@ -284,7 +312,9 @@ async fn heartbeat_until_lost(
         match beat.await {
             Ok(true) => {}
             Ok(false) => return Ok(Generated::ClaimLost),
-            Err(e) => tracing::warn!(issue = claimed.id, error = %e, "heartbeat failed; will try again"),
+            Err(e) => {
+                tracing::warn!(issue = claimed.id, error = %e, "heartbeat failed; will try again")
+            }
         }
     }
 }

@@ -365,7 +365,11 @@ pub async fn fail(
     let n = client
         .execute(&statement, &[&id, &claim_id, &reason, &wait, &never])
         .await?;
-    Ok(if n == 1 { Fenced::Written } else { Fenced::Lost })
+    Ok(if n == 1 {
+        Fenced::Written
+    } else {
+        Fenced::Lost
+    })
 }
 
 /// Moves `IN_PROGRESS` issues whose lease has expired to `FAILED` with
@@ -414,7 +418,10 @@ pub struct RetryState {
 }
 
 /// The retry-relevant state of some issues (unknown ids are absent).
-pub async fn retry_state(client: &impl GenericClient, ids: &[i64]) -> Result<Vec<RetryState>, DbError> {
+pub async fn retry_state(
+    client: &impl GenericClient,
+    ids: &[i64],
+) -> Result<Vec<RetryState>, DbError> {
     let statement = client
         .prepare_cached(
             "SELECT id, processing_status, attempts,
@@ -431,7 +438,9 @@ pub async fn retry_state(client: &impl GenericClient, ids: &[i64]) -> Result<Vec
             let status: String = r.get(1);
             Ok(RetryState {
                 id: r.get(0),
-                status: status.parse().map_err(|e| DbError::Invalid(format!("{e}")))?,
+                status: status
+                    .parse()
+                    .map_err(|e| DbError::Invalid(format!("{e}")))?,
                 attempts: r.get(2),
                 retry_not_before: r.get(3),
                 never: r.get(4),

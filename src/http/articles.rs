@@ -40,7 +40,8 @@ async fn request_articles(
     });
     if outcome.claimed.is_empty() {
         return Err(ApiError::Conflict(
-            "none of the requested issues is claimable (each is in progress, done, or unknown)".into(),
+            "none of the requested issues is claimable (each is in progress, done, or unknown)"
+                .into(),
             body,
         ));
     }

@@ -47,7 +47,10 @@ impl IntoResponse for ApiError {
                 }
                 (StatusCode::CONFLICT, body)
             }
-            ApiError::NotFound(message) => (StatusCode::NOT_FOUND, serde_json::json!({ "error": message })),
+            ApiError::NotFound(message) => (
+                StatusCode::NOT_FOUND,
+                serde_json::json!({ "error": message }),
+            ),
             ApiError::Unauthorized => (
                 StatusCode::UNAUTHORIZED,
                 serde_json::json!({ "error": "missing or wrong bearer token" }),

@@ -23,6 +23,11 @@ use tokio_util::sync::CancellationToken;
 pub enum Reply {
     /// 200 with a well-formed completion whose content is this text.
     Ok(String),
+    /// Like `Ok`, after simulated model latency.
+    Slow {
+        delay: std::time::Duration,
+        content: String,
+    },
     /// 429 with `Retry-After: <retry_after_s>`.
     RateLimited { retry_after_s: u64 },
     /// 500 with a JSON error body.
@@ -48,6 +53,8 @@ type Script = dyn Fn(u64, &Value) -> Reply + Send + Sync;
 struct Shared {
     script: Box<Script>,
     requests: AtomicU64,
+    in_flight: AtomicU64,
+    max_in_flight: AtomicU64,
     last_authorization: Mutex<Option<String>>,
     last_request: Mutex<Option<Value>>,
     stopping: CancellationToken,
@@ -69,6 +76,8 @@ impl FakeLlm {
         let shared = Arc::new(Shared {
             script: Box::new(script),
             requests: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            max_in_flight: AtomicU64::new(0),
             last_authorization: Mutex::new(None),
             last_request: Mutex::new(None),
             stopping: CancellationToken::new(),
@@ -106,6 +115,11 @@ impl FakeLlm {
     /// How many requests reached the endpoint so far.
     pub fn requests(&self) -> u64 {
         self.shared.requests.load(Ordering::SeqCst)
+    }
+
+    /// The most requests that were ever being answered at once.
+    pub fn max_in_flight(&self) -> u64 {
+        self.shared.max_in_flight.load(Ordering::SeqCst)
     }
 
     /// The `Authorization` header of the last request, if it had one.
@@ -147,6 +161,9 @@ async fn chat_completions(
     body: Bytes,
 ) -> Response {
     let n = shared.requests.fetch_add(1, Ordering::SeqCst);
+    let now = shared.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+    shared.max_in_flight.fetch_max(now, Ordering::SeqCst);
+    let _leaving = InFlight(shared.clone());
     let authorization = headers
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
@@ -155,7 +172,16 @@ async fn chat_completions(
     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     *shared.last_request.lock().unwrap() = Some(request.clone());
 
-    match (shared.script)(n, &request) {
+    let mut reply = (shared.script)(n, &request);
+    if let Reply::Slow { delay, content } = reply {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shared.stopping.cancelled() => {}
+        }
+        reply = Reply::Ok(content);
+    }
+    match reply {
+        Reply::Slow { .. } => unreachable!("turned into Ok above"),
         Reply::Ok(content) => {
             let model = request.get("model").cloned().unwrap_or(Value::Null);
             let completion = json!({
@@ -217,6 +243,15 @@ async fn chat_completions(
             }
             response
         }
+    }
+}
+
+/// Counts a request as answered when dropped (also if the client left).
+struct InFlight(Arc<Shared>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

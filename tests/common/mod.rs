@@ -5,6 +5,8 @@
 //! cloned from it, so tests run in parallel without seeing each other.
 #![allow(dead_code)]
 
+pub mod fake_llm;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -242,7 +244,9 @@ impl TestDb {
     /// Sets a runtime setting through SQL, as an operator would.
     pub async fn set(&self, key: &str, value: &str) {
         let client = self.pool.get().await.unwrap();
-        newsnack::db::setting::set(&client, key, value).await.unwrap();
+        newsnack::db::setting::set(&client, key, value)
+            .await
+            .unwrap();
     }
 
     /// One scalar from a query, for assertions.

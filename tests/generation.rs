@@ -1,0 +1,369 @@
+//! Generation end to end: the service claims over HTTP, the OpenAI-compatible
+//! client talks to a local fake LLM that fails on purpose, and every issue
+//! still ends with exactly one article — or `FAILED` with the reason when
+//! the failure is fatal or the attempts run out. Includes the crash test:
+//! two `serve` processes, one SIGKILLed mid-generation.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::fake_llm::{FakeLlm, Reply};
+use common::{until_sql, within, TestDb};
+use newsnack::writer::{self, SharedWriter, WriterConfig};
+
+fn llm_writer(fake: &FakeLlm, timeout: Duration) -> SharedWriter {
+    writer::build(&WriterConfig {
+        llm_url: Some(fake.url.clone()),
+        model: "fake-model".into(),
+        api_key: Some("test-key".into()),
+        timeout,
+    })
+    .unwrap()
+}
+
+const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
+
+async fn post_ids(
+    client: &reqwest::Client,
+    addr: std::net::SocketAddr,
+    ids: &[i64],
+) -> (u16, serde_json::Value) {
+    let response = client
+        .post(format!("http://{addr}/ai-articles"))
+        .json(&serde_json::json!({ "issue_ids": ids }))
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_issues_with_transient_failures_all_end_done_once() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "50").await;
+    db.set("max_attempts", "6").await;
+    // Roughly one request in five fails, in every transient way.
+    let fake = FakeLlm::start(|n, _| match n % 10 {
+        3 => Reply::RateLimited { retry_after_s: 1 },
+        7 => Reply::ServerError,
+        9 if n % 20 == 9 => Reply::Hang,
+        _ => Reply::Ok(ARTICLE.into()),
+    })
+    .await;
+    let service = db
+        .serve("gen", llm_writer(&fake, Duration::from_secs(1)))
+        .await;
+    let ids = db.add_issues(200).await;
+    let http = reqwest::Client::new();
+    for chunk in ids.chunks(50) {
+        let (status, body) = post_ids(&http, service.addr, chunk).await;
+        assert_eq!(status, 202, "{body}");
+        assert_eq!(body["claimed"].as_array().unwrap().len(), 50);
+    }
+    until_sql(
+        &db,
+        &service.hub,
+        120,
+        "SELECT count(*) = 200 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 200);
+    assert_eq!(
+        db.scalar_i64("SELECT count(DISTINCT issue_id) FROM ai_article")
+            .await,
+        200
+    );
+    let retried = db
+        .scalar_i64("SELECT count(*) FROM issue WHERE attempts > 1")
+        .await;
+    assert!(
+        retried >= 20,
+        "transient failures were retried ({retried} issues took more than one attempt)"
+    );
+    let failures_logged = db
+        .scalar_i64("SELECT count(*) FROM issue_transition WHERE to_status = 'FAILED' AND reason IS NOT NULL")
+        .await;
+    assert_eq!(
+        failures_logged,
+        db.scalar_i64("SELECT sum(attempts - 1) FROM issue").await
+    );
+    let rate_limited = db
+        .scalar_i64("SELECT count(*) FROM issue_transition WHERE to_status = 'FAILED' AND reason LIKE '%429%'")
+        .await;
+    assert!(rate_limited > 0, "429s are recorded with their reason");
+    let first = &db
+        .raw()
+        .await
+        .query_one("SELECT headline FROM ai_article LIMIT 1", &[])
+        .await
+        .unwrap();
+    assert_eq!(first.get::<_, String>(0), "A headline");
+    service.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_fatal_failure_ends_failed_with_the_reason_and_is_not_retried() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "10").await;
+    let fake = FakeLlm::start(|_, request| {
+        let prompt = request.to_string();
+        if prompt.contains("poison") {
+            Reply::BadRequest
+        } else {
+            Reply::Ok(ARTICLE.into())
+        }
+    })
+    .await;
+    let service = db
+        .serve("fatal", llm_writer(&fake, Duration::from_secs(5)))
+        .await;
+    let sql = db.raw().await;
+    let poison: i64 = sql
+        .query_one(
+            "INSERT INTO issue (title, body) VALUES ('poison pill', 'x') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let fine = db.add_issues(1).await[0];
+    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &[poison, fine]).await;
+    assert_eq!(status, 202);
+    let check = format!(
+        "SELECT bool_and(processing_status IN ('DONE','FAILED')) FROM issue WHERE id IN ({poison}, {fine})"
+    );
+    until_sql(&db, &service.hub, 30, &check).await;
+    let row = sql
+        .query_one(
+            "SELECT processing_status, attempts, last_error FROM issue WHERE id = $1",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "FAILED");
+    assert_eq!(row.get::<_, i32>(1), 1, "a fatal failure is not retried");
+    assert!(
+        row.get::<_, String>(2).contains("400"),
+        "{}",
+        row.get::<_, String>(2)
+    );
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT count(*) FROM ai_article WHERE issue_id = {poison}"
+        ))
+        .await,
+        0
+    );
+    service.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn failures_written_by_other_systems_are_retried_and_exhausted_ones_stay_failed() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "10").await;
+    db.set("max_attempts", "2").await;
+    let fake = FakeLlm::start(|_, request| {
+        if request.to_string().contains("always broken") {
+            Reply::ServerError
+        } else {
+            Reply::Ok(ARTICLE.into())
+        }
+    })
+    .await;
+    let service = db
+        .serve("retry", llm_writer(&fake, Duration::from_secs(5)))
+        .await;
+    let sql = db.raw().await;
+    // Another system claims an issue and gives up on it with plain SQL.
+    let theirs = db.add_issues(1).await[0];
+    sql.execute(
+        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+        &[&theirs],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status='FAILED', last_error='their worker died' WHERE id=$1",
+        &[&theirs],
+    )
+    .await
+    .unwrap();
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {theirs}"),
+    )
+    .await;
+
+    let broken: i64 = sql
+        .query_one(
+            "INSERT INTO issue (title) VALUES ('always broken') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &[broken]).await;
+    assert_eq!(status, 202);
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!(
+            "SELECT processing_status = 'FAILED' AND attempts = 2 FROM issue WHERE id = {broken}"
+        ),
+    )
+    .await;
+    // Exhausted: nothing more happens to it until an operator resets it.
+    let logged = db
+        .scalar_i64(&format!(
+            "SELECT count(*) FROM issue_transition WHERE issue_id = {broken}"
+        ))
+        .await;
+    assert_eq!(logged, 5, "PENDING, 2 x (IN_PROGRESS, FAILED)");
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_llm_concurrency_cap_follows_the_setting() {
+    let db = TestDb::new().await;
+    db.set("generation_concurrency", "2").await;
+    let fake = FakeLlm::start(|_, _| Reply::Slow {
+        delay: Duration::from_millis(100),
+        content: ARTICLE.into(),
+    })
+    .await;
+    let service = db
+        .serve("cap", llm_writer(&fake, Duration::from_secs(5)))
+        .await;
+    let ids = db.add_issues(12).await;
+    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
+    assert_eq!(status, 202);
+    until_sql(
+        &db,
+        &service.hub,
+        60,
+        "SELECT count(*) = 12 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+    assert_eq!(
+        fake.max_in_flight(),
+        2,
+        "never more than the setting allows"
+    );
+    service.stop().await.unwrap();
+}
+
+/// A `newsnack serve` process; its address is read from its stdout.
+struct ServeProcess {
+    child: Child,
+    addr: std::net::SocketAddr,
+}
+
+fn spawn_serve(db: &TestDb, name: &str, llm_url: &str) -> ServeProcess {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .arg("serve")
+        .env("DATABASE_URL", &db.url)
+        .env("NEWSNACK_LISTEN", "127.0.0.1:0")
+        .env("NEWSNACK_INSTANCE", name)
+        .env("NEWSNACK_LLM_URL", llm_url)
+        .env("NEWSNACK_LLM_TIMEOUT_S", "5")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("serve printed its address").unwrap();
+        if let Some(rest) = line.strip_prefix("newsnack serving on http://") {
+            break rest.trim().parse().unwrap();
+        }
+    };
+    ServeProcess { child, addr }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
+    let db = TestDb::new().await;
+    db.set("lease_s", "2").await;
+    db.set("retry_backoff_ms", "50").await;
+    let fake = FakeLlm::start(|_, _| Reply::Slow {
+        delay: Duration::from_millis(150),
+        content: ARTICLE.into(),
+    })
+    .await;
+    let (hub, stop_listener) = db.listener().await;
+    let mut victim = tokio::task::block_in_place(|| spawn_serve(&db, "victim", &fake.url));
+    let mut survivor = tokio::task::block_in_place(|| spawn_serve(&db, "survivor", &fake.url));
+    let ids = db.add_issues(100).await;
+    let http = reqwest::Client::new();
+    let (status, _) = post_ids(&http, victim.addr, &ids[..60]).await;
+    assert_eq!(status, 202);
+    let (status, _) = post_ids(&http, survivor.addr, &ids[60..]).await;
+    assert_eq!(status, 202);
+    // Kill the victim while it is mid-generation.
+    until_sql(
+        &db,
+        &hub,
+        60,
+        "SELECT count(*) >= 5 FROM issue WHERE processing_status = 'DONE' AND claimed_by = 'victim'",
+    )
+    .await;
+    victim.child.kill().unwrap();
+    victim.child.wait().unwrap();
+    let stranded = db
+        .scalar_i64("SELECT count(*) FROM issue WHERE processing_status = 'IN_PROGRESS' AND claimed_by = 'victim'")
+        .await;
+    assert!(
+        stranded > 0,
+        "the kill must catch the victim mid-generation"
+    );
+
+    until_sql(
+        &db,
+        &hub,
+        90,
+        "SELECT count(*) = 100 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 100);
+    assert_eq!(
+        db.scalar_i64("SELECT count(DISTINCT issue_id) FROM ai_article")
+            .await,
+        100
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue WHERE processing_status = 'IN_PROGRESS'")
+            .await,
+        0
+    );
+    let reaped = db
+        .scalar_i64(
+            "SELECT count(DISTINCT issue_id) FROM issue_transition WHERE reason = 'lease expired'",
+        )
+        .await;
+    assert!(
+        reaped >= stranded,
+        "the victim's issues came back through the reaper ({reaped} < {stranded})"
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM ai_article a JOIN issue i ON i.id = a.issue_id WHERE a.claim_id <> i.claim_id").await,
+        0,
+        "every article was written under the issue's final claim"
+    );
+    // The survivor shuts down cleanly on SIGTERM.
+    unsafe {
+        libc::kill(survivor.child.id() as i32, libc::SIGTERM);
+    }
+    let status = within(30, "the survivor to exit", async {
+        tokio::task::block_in_place(|| survivor.child.wait().unwrap())
+    })
+    .await;
+    assert!(status.success(), "{status:?}");
+    stop_listener.cancel();
+}
