@@ -40,7 +40,7 @@ impl AdvisoryLock {
         holder: &str,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
         let mut config = config.clone();
-        config.application_name(&format!("newsnack-lock:{}:{holder}", name_of(key)));
+        config.application_name(format!("newsnack-lock:{}:{holder}", name_of(key)));
         let client = super::connect(&config).await?;
         let taken: bool = client
             .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
