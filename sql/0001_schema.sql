@@ -54,7 +54,9 @@ CREATE TABLE issue_transition (
     attempts    integer NOT NULL,
     claim_id    bigint,
     claimed_by  text,
-    reason      text
+    reason      text,
+    -- A failure that must not be retried automatically.
+    fatal       boolean NOT NULL DEFAULT false
 );
 CREATE INDEX issue_transition_issue_id_idx ON issue_transition (issue_id, seq);
 

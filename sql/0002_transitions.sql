@@ -105,7 +105,7 @@ DECLARE
 BEGIN
     -- Serialise `seq` allocation with commit order (see the header).
     PERFORM pg_advisory_xact_lock(7236284560371893001);
-    INSERT INTO issue_transition (issue_id, from_status, to_status, at, attempts, claim_id, claimed_by, reason)
+    INSERT INTO issue_transition (issue_id, from_status, to_status, at, attempts, claim_id, claimed_by, reason, fatal)
     VALUES (
         NEW.id,
         CASE WHEN TG_OP = 'UPDATE' THEN OLD.processing_status END,
@@ -114,7 +114,8 @@ BEGIN
         NEW.attempts,
         NEW.claim_id,
         NEW.claimed_by,
-        CASE WHEN NEW.processing_status = 'FAILED' THEN NEW.last_error END
+        CASE WHEN NEW.processing_status = 'FAILED' THEN NEW.last_error END,
+        NEW.processing_status = 'FAILED' AND COALESCE(NEW.retry_not_before = 'infinity', false)
     )
     RETURNING * INTO logged;
     PERFORM pg_notify('issue_transition', json_build_object(
@@ -122,7 +123,9 @@ BEGIN
         'issue_id', logged.issue_id,
         'from', logged.from_status,
         'to', logged.to_status,
-        'at', logged.at
+        'at', logged.at,
+        'attempts', logged.attempts,
+        'fatal', logged.fatal
     )::text);
     RETURN NULL;
 END

@@ -61,7 +61,31 @@ pub enum Command {
     /// Read and change runtime settings (take effect without a restart).
     #[command(subcommand)]
     Settings(SettingsCommand),
+    /// Smart-wait for issues: prints the outcome as JSON. Exit code 0 for
+    /// all_pass and timeout_pass, 3 for skip.
+    Wait {
+        #[arg(required = true, num_args = 1..)]
+        ids: Vec<i64>,
+        /// Seconds to wait (default: the content_gen_timeout_s setting).
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<f64>,
+        /// DONE issues needed to pass at the timeout (default: the
+        /// content_gen_min_completion setting).
+        #[arg(long, value_name = "N")]
+        min: Option<usize>,
+    },
+    /// Run the pipeline once now (select, claim, generate, wait, assemble),
+    /// under the same lock as the scheduler. Exit code 0 when a briefing was
+    /// published, 3 for skip, 4 when another run holds the lock.
+    RunPipeline,
+    /// List the advisory locks held in the database and who holds them.
+    Locks,
 }
+
+/// Exit code of `wait` and `run-pipeline` when the outcome is skip.
+pub const EXIT_SKIP: u8 = 3;
+/// Exit code of `run-pipeline` when another run holds the lock.
+pub const EXIT_BUSY: u8 = 4;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -165,6 +189,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Issues(cmd) => issues(&required(url)?, cmd).await,
         Command::Retry { ids } => retry(&required(url)?, &ids).await,
         Command::Settings(cmd) => settings(&required(url)?, cmd).await,
+        Command::Wait { ids, timeout, min } => wait(&required(url)?, ids, timeout, min).await,
+        Command::RunPipeline => run_pipeline(&required(url)?).await,
+        Command::Locks => locks(&required(url)?).await,
     }
 }
 
@@ -423,6 +450,120 @@ async fn settings(url: &str, cmd: SettingsCommand) -> Result<ExitCode, CliError>
             let stored = db::setting::set(&client, &key, &value).await?;
             println!("{key} = {stored}");
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn wait(
+    url: &str,
+    ids: Vec<i64>,
+    timeout: Option<f64>,
+    min: Option<usize>,
+) -> Result<ExitCode, CliError> {
+    input::check_ids("ids", &ids)?;
+    if let Some(t) = timeout {
+        if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
+            return Err(CliError::Failed(format!(
+                "--timeout must be more than 0 and at most 86400, got {t}"
+            )));
+        }
+    }
+    let (pool, config) = open(url).await?;
+    let settings = Settings::load(&pool).await?;
+    let shutdown = CancellationToken::new();
+    crate::shutdown::cancel_on_signal(shutdown.clone());
+    let (hub, _listener) =
+        Listener::start(config, pool, ListenerOptions::default(), shutdown.clone()).await?;
+    let request = crate::wait::WaitRequest {
+        issue_ids: ids,
+        timeout: timeout
+            .map(Duration::from_secs_f64)
+            .unwrap_or_else(|| settings.wait_timeout()),
+        min_completion: min.unwrap_or(settings.content_gen_min_completion.max(0) as usize),
+        max_attempts: settings.max_attempts as i32,
+    };
+    let report = crate::wait::smart_wait(&hub, request, &shutdown)
+        .await
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    shutdown.cancel();
+    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    Ok(match report.outcome {
+        crate::wait::WaitOutcome::Skip => ExitCode::from(EXIT_SKIP),
+        _ => ExitCode::SUCCESS,
+    })
+}
+
+async fn run_pipeline(url: &str) -> Result<ExitCode, CliError> {
+    let writer = crate::writer::build(&crate::writer::WriterConfig::from_env()?)?;
+    let shutdown = CancellationToken::new();
+    crate::shutdown::cancel_on_signal(shutdown.clone());
+    let instance = format!("cli:{}", crate::serve::default_instance_name());
+    let core = crate::serve::Core::start(
+        url,
+        &instance,
+        8,
+        writer,
+        Duration::from_secs(10),
+        &shutdown,
+    )
+    .await?;
+    let result = core
+        .pipeline()
+        .run_locked(crate::pipeline::Trigger::Manual, &shutdown)
+        .await;
+    shutdown.cancel();
+    core.stopped().await;
+    match result {
+        Ok(Some(summary)) => {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "run_id": summary.run_id,
+                    "outcome": summary.outcome,
+                    "targets": summary.targets,
+                    "completed": summary.completed,
+                    "briefing_id": summary.briefing_id,
+                })
+            );
+            Ok(if summary.briefing_id.is_some() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_SKIP)
+            })
+        }
+        Ok(None) => Ok(ExitCode::from(EXIT_SKIP)),
+        Err(crate::pipeline::PipelineError::Busy) => {
+            eprintln!("newsnack: another pipeline run holds the lock (see `newsnack locks`)");
+            Ok(ExitCode::from(EXIT_BUSY))
+        }
+        Err(crate::pipeline::PipelineError::Db(e)) => Err(e.into()),
+    }
+}
+
+async fn locks(url: &str) -> Result<ExitCode, CliError> {
+    let config = db::pg_config(url, "newsnack-cli")?;
+    let client = db::connect(&config).await?;
+    let held = db::advisory::held_locks(&client).await?;
+    if held.is_empty() {
+        println!("no advisory locks are held");
+    }
+    for lock in held {
+        let since = lock
+            .since
+            .and_then(|t| {
+                t.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            })
+            .unwrap_or_default();
+        println!(
+            "{:<15} key {:<20} pid {:<7} {:<8} {:<40} client {:<15} since {since}",
+            lock.name,
+            lock.key,
+            lock.pid,
+            if lock.granted { "held" } else { "waiting" },
+            lock.application_name,
+            lock.client.unwrap_or_else(|| "local".into()),
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -23,6 +23,7 @@
 //! | [`shutdown`] | the one shutdown signal |
 
 pub mod api_types;
+pub mod briefing;
 pub mod claim;
 pub mod cli;
 pub mod db;
@@ -31,8 +32,10 @@ pub mod http;
 pub mod input;
 pub mod listener;
 pub mod machine;
+pub mod pipeline;
 pub mod reaper;
 pub mod retry;
+pub mod schedule;
 pub mod serve;
 pub mod settings;
 pub mod shutdown;
@@ -40,5 +43,6 @@ pub mod status;
 pub mod stream;
 pub mod tail;
 pub mod transition;
+pub mod wait;
 pub mod worker;
 pub mod writer;

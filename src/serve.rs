@@ -1,7 +1,9 @@
 //! `newsnack serve`: the long-running reactive service. Starts (in order)
 //! the database (given, or a throwaway embedded cluster), migrations, the
 //! one listener, the claimer, the generator, the retry scheduler, the lease
-//! reaper and the HTTP API; stops them all on one cancellation token.
+//! reaper, the pipeline scheduler and the HTTP API; stops them all on one
+//! cancellation token. [`Core`] is the part other long-running commands
+//! (`run-pipeline`, `demo`) share.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,10 +17,11 @@ use crate::db::{self, DbError, PoolOptions};
 use crate::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedPostgres};
 use crate::http::{self, AppState};
 use crate::listener::{Listener, ListenerOptions, TransitionHub};
+use crate::pipeline::{Pipeline, PipelineScheduler};
 use crate::reaper::LeaseReaper;
 use crate::retry::RetryScheduler;
 use crate::settings::SettingsCache;
-use crate::worker::Generator;
+use crate::worker::{Generator, GeneratorHandle};
 use crate::writer::SharedWriter;
 
 /// How to run the service.
@@ -56,9 +59,8 @@ pub struct RunningService {
     pub addr: SocketAddr,
     pub database_url: String,
     pub hub: TransitionHub,
-    pool: db::DbPool,
     shutdown: CancellationToken,
-    tasks: JoinSet<()>,
+    core: Core,
     http: tokio::task::JoinHandle<Result<(), std::io::Error>>,
     embedded: Option<EmbeddedPostgres>,
 }
@@ -70,13 +72,12 @@ impl RunningService {
     }
 
     /// Waits until shutdown is requested and everything has stopped.
-    pub async fn wait(mut self) -> Result<(), ServeError> {
+    pub async fn wait(self) -> Result<(), ServeError> {
         self.shutdown.cancelled().await;
-        let http = (&mut self.http).await;
-        while self.tasks.join_next().await.is_some() {}
+        let http = self.http.await;
         // Close pooled sessions before the embedded server goes away.
-        self.pool.close();
-        if let Some(cluster) = self.embedded.take() {
+        self.core.stopped().await;
+        if let Some(cluster) = self.embedded {
             tokio::task::spawn_blocking(move || drop(cluster))
                 .await
                 .ok();
@@ -95,96 +96,166 @@ impl RunningService {
     }
 }
 
+/// The parts every long-running command shares: pool, listener, settings,
+/// claimer, generator and retry scheduler, with their tasks.
+pub struct Core {
+    pub config: tokio_postgres::Config,
+    pub pool: db::DbPool,
+    pub hub: TransitionHub,
+    pub settings: Arc<SettingsCache>,
+    pub claimer: Claimer,
+    pub generator: GeneratorHandle,
+    pub instance: String,
+    pub tasks: JoinSet<()>,
+}
+
+impl Core {
+    /// Migrates the database and starts the shared parts.
+    pub async fn start(
+        database_url: &str,
+        instance: &str,
+        pool_size: usize,
+        writer: SharedWriter,
+        grace: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<Core, ServeError> {
+        let config = db::pg_config(database_url, &format!("newsnack:{instance}"))?;
+        let mut migrator = db::connect(&config).await?;
+        let report = db::migrate::migrate(&mut migrator).await?;
+        if !report.applied.is_empty() {
+            tracing::info!(applied = ?report.applied, "schema migrated");
+        }
+        drop(migrator);
+        let pool = db::pool(
+            config.clone(),
+            &PoolOptions {
+                max_size: pool_size,
+                wait_timeout: Duration::from_secs(5),
+            },
+        )?;
+        let (hub, listener_task) = Listener::start(
+            config.clone(),
+            pool.clone(),
+            ListenerOptions::default(),
+            shutdown.clone(),
+        )
+        .await?;
+        let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
+        let claimer = Claimer::start(pool.clone(), instance.to_string(), 2);
+        let (generator, generator_handle) = Generator::new(
+            pool.clone(),
+            writer,
+            settings.clone(),
+            hub.settings_changed(),
+            grace,
+        );
+        let mut tasks = JoinSet::new();
+        tasks.spawn(async move {
+            let _ = listener_task.await;
+        });
+        tasks.spawn(generator.run(shutdown.clone()));
+        tasks.spawn(
+            RetryScheduler {
+                hub: hub.clone(),
+                pool: pool.clone(),
+                claimer: claimer.clone(),
+                generator: generator_handle.clone(),
+                settings: settings.clone(),
+            }
+            .run(shutdown.clone()),
+        );
+        Ok(Core {
+            config,
+            pool,
+            hub,
+            settings,
+            claimer,
+            generator: generator_handle,
+            instance: instance.to_string(),
+            tasks,
+        })
+    }
+
+    /// The pipeline over these parts.
+    pub fn pipeline(&self) -> Pipeline {
+        Pipeline {
+            config: self.config.clone(),
+            pool: self.pool.clone(),
+            hub: self.hub.clone(),
+            claimer: self.claimer.clone(),
+            generator: self.generator.clone(),
+            settings: self.settings.clone(),
+            instance: self.instance.clone(),
+        }
+    }
+
+    /// Waits for the tasks (after shutdown was requested) and closes the pool.
+    pub async fn stopped(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+        self.pool.close();
+    }
+}
+
+/// Starts `database_url`, or a throwaway embedded cluster when it is `None`;
+/// returns the URL to use and the cluster to keep alive.
+pub async fn database(
+    database_url: Option<&str>,
+) -> Result<(String, Option<EmbeddedPostgres>), ServeError> {
+    if let Some(url) = database_url {
+        return Ok((url.to_string(), None));
+    }
+    let cluster =
+        tokio::task::spawn_blocking(|| EmbeddedPostgres::start(&EmbeddedOptions::default()))
+            .await
+            .map_err(|e| EmbeddedError::Io(std::io::Error::other(e)))??;
+    let admin = db::connect(&db::pg_config(&cluster.url("postgres"), "newsnack-setup")?).await?;
+    admin
+        .batch_execute("CREATE DATABASE newsnack")
+        .await
+        .map_err(DbError::from)?;
+    let url = cluster.url("newsnack");
+    tracing::info!(%url, "started a throwaway PostgreSQL cluster (deleted on exit)");
+    Ok((url, Some(cluster)))
+}
+
 /// Starts every part of the service. Returns once the API is listening.
 pub async fn start(
     options: ServeOptions,
     writer: SharedWriter,
 ) -> Result<RunningService, ServeError> {
     let shutdown = CancellationToken::new();
-    let (database_url, embedded) = match &options.database_url {
-        Some(url) => (url.clone(), None),
-        None => {
-            let cluster =
-                tokio::task::spawn_blocking(
-                    || EmbeddedPostgres::start(&EmbeddedOptions::default()),
-                )
-                .await
-                .map_err(|e| EmbeddedError::Io(std::io::Error::other(e)))??;
-            let admin =
-                db::connect(&db::pg_config(&cluster.url("postgres"), "newsnack-setup")?).await?;
-            admin
-                .batch_execute("CREATE DATABASE newsnack")
-                .await
-                .map_err(DbError::from)?;
-            let url = cluster.url("newsnack");
-            tracing::info!(%url, "started a throwaway PostgreSQL cluster (deleted on exit)");
-            (url, Some(cluster))
-        }
-    };
-
-    let config = db::pg_config(&database_url, &format!("newsnack:{}", options.instance))?;
-    let mut migrator = db::connect(&config).await?;
-    let report = db::migrate::migrate(&mut migrator).await?;
-    if !report.applied.is_empty() {
-        tracing::info!(applied = ?report.applied, "schema migrated");
-    }
-    drop(migrator);
-
-    let pool = db::pool(
-        config.clone(),
-        &PoolOptions {
-            max_size: options.pool_size,
-            wait_timeout: Duration::from_secs(5),
-        },
-    )?;
-    let (hub, listener_task) = Listener::start(
-        config.clone(),
-        pool.clone(),
-        ListenerOptions::default(),
-        shutdown.clone(),
+    let (database_url, embedded) = database(options.database_url.as_deref()).await?;
+    let mut core = Core::start(
+        &database_url,
+        &options.instance,
+        options.pool_size,
+        writer,
+        options.grace,
+        &shutdown,
     )
     .await?;
-    let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
-    let claimer = Claimer::start(pool.clone(), options.instance.clone(), 2);
-    let (generator, generator_handle) = Generator::new(
-        pool.clone(),
-        writer,
-        settings.clone(),
-        hub.settings_changed(),
-        options.grace,
-    );
-
-    let mut tasks = JoinSet::new();
-    tasks.spawn(async move {
-        let _ = listener_task.await;
-    });
-    tasks.spawn(generator.run(shutdown.clone()));
-    tasks.spawn(
-        RetryScheduler {
-            hub: hub.clone(),
-            pool: pool.clone(),
-            claimer: claimer.clone(),
-            generator: generator_handle.clone(),
-            settings: settings.clone(),
-        }
-        .run(shutdown.clone()),
-    );
-    tasks.spawn(
+    core.tasks.spawn(
         LeaseReaper {
-            config: config.clone(),
-            pool: pool.clone(),
-            settings: settings.clone(),
+            config: core.config.clone(),
+            pool: core.pool.clone(),
+            settings: core.settings.clone(),
             instance: options.instance.clone(),
         }
         .run(shutdown.clone()),
     );
-
+    core.tasks.spawn(
+        PipelineScheduler {
+            pipeline: core.pipeline(),
+        }
+        .run(shutdown.clone()),
+    );
     let app = http::router(AppState {
-        pool: pool.clone(),
-        hub: hub.clone(),
-        claimer,
-        generator: generator_handle,
-        settings,
+        pool: core.pool.clone(),
+        hub: core.hub.clone(),
+        claimer: core.claimer.clone(),
+        generator: core.generator.clone(),
+        settings: core.settings.clone(),
+        shutdown: shutdown.clone(),
     });
     let socket = tokio::net::TcpListener::bind(options.listen)
         .await
@@ -203,10 +274,9 @@ pub async fn start(
     Ok(RunningService {
         addr,
         database_url,
-        hub,
-        pool,
+        hub: core.hub.clone(),
         shutdown,
-        tasks,
+        core,
         http,
         embedded,
     })

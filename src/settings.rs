@@ -11,7 +11,7 @@ use tokio::sync::{watch, Mutex};
 use crate::db::{self, DbError, DbPool};
 
 /// Every setting the service uses, with the defaults of `setting_spec`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Settings {
     pub content_gen_timeout_s: i64,
     pub content_gen_min_completion: i64,
@@ -22,6 +22,8 @@ pub struct Settings {
     pub generation_concurrency: i64,
     pub retry_backoff_ms: i64,
     pub retry_backoff_max_ms: i64,
+    /// `off`, `every <n>s|m|h`, or a cron expression (see [`crate::schedule`]).
+    pub schedule: String,
 }
 
 impl Default for Settings {
@@ -36,6 +38,7 @@ impl Default for Settings {
             generation_concurrency: 8,
             retry_backoff_ms: 2000,
             retry_backoff_max_ms: 300_000,
+            schedule: "off".into(),
         }
     }
 }
@@ -62,6 +65,9 @@ impl Settings {
         take("generation_concurrency", &mut s.generation_concurrency);
         take("retry_backoff_ms", &mut s.retry_backoff_ms);
         take("retry_backoff_max_ms", &mut s.retry_backoff_max_ms);
+        if let Some(schedule) = values.get("schedule") {
+            s.schedule = schedule.clone();
+        }
         s
     }
 

@@ -54,6 +54,20 @@ impl TransitionStream {
         }
     }
 
+    /// A stream that needs no history: the caller subscribed `live` before
+    /// reading state as of `after_seq` in one snapshot, so every later
+    /// transition will arrive live. Starts without touching the database.
+    pub(crate) fn live_after(
+        pool: DbPool,
+        live: broadcast::Receiver<Transition>,
+        after_seq: i64,
+    ) -> Self {
+        TransitionStream {
+            reading_log: false,
+            ..TransitionStream::new(pool, live, after_seq, None)
+        }
+    }
+
     /// The `seq` of the last transition delivered (or the starting point).
     pub fn last_seq(&self) -> i64 {
         self.last_seq

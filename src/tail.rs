@@ -24,6 +24,8 @@ pub fn render(t: &Transition, style: TailStyle) -> String {
             "from": t.from,
             "to": t.to,
             "at": t.at.format(&Rfc3339).unwrap_or_default(),
+            "attempts": t.attempts,
+            "fatal": t.fatal,
         })
         .to_string(),
         TailStyle::Plain | TailStyle::Color => {
@@ -73,6 +75,8 @@ mod tests {
             from: Some(Status::Pending),
             to: Status::InProgress,
             at: datetime!(2026-11-29 20:14:12.5 UTC),
+            attempts: 1,
+            fatal: false,
         }
     }
 

@@ -17,6 +17,12 @@ pub struct Transition {
     pub to: Status,
     #[serde(with = "time::serde::rfc3339")]
     pub at: OffsetDateTime,
+    /// Attempts so far, as of this transition.
+    #[serde(default)]
+    pub attempts: i32,
+    /// A `FAILED` that must not be retried automatically (a fatal error).
+    #[serde(default)]
+    pub fatal: bool,
 }
 
 impl Transition {

@@ -71,3 +71,46 @@ impl AdvisoryLock {
             .await;
     }
 }
+
+/// An advisory lock someone holds, as `newsnack locks` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct HeldLock {
+    pub key: i64,
+    pub name: &'static str,
+    pub pid: i32,
+    pub application_name: String,
+    pub client: Option<String>,
+    /// When the holding session connected (lock sessions connect to lock).
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub since: Option<time::OffsetDateTime>,
+    pub granted: bool,
+}
+
+/// Every advisory lock in the current database, with its holder.
+pub async fn held_locks(client: &tokio_postgres::Client) -> Result<Vec<HeldLock>, super::DbError> {
+    let rows = client
+        .query(
+            "SELECT ((l.classid::bigint << 32) | l.objid::bigint), l.pid, COALESCE(a.application_name, ''),
+                    host(a.client_addr), a.backend_start, l.granted
+               FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'advisory' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              ORDER BY 1, l.pid",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let key: i64 = r.get(0);
+            HeldLock {
+                key,
+                name: name_of(key),
+                pid: r.get(1),
+                application_name: r.get(2),
+                client: r.get(3),
+                since: r.get(4),
+                granted: r.get(5),
+            }
+        })
+        .collect())
+}

@@ -468,3 +468,44 @@ pub async fn failed_with_attempts_left(
         .map(|r| r.get(0))
         .collect())
 }
+
+/// The targets of a wait and the log position they reflect, read in one
+/// snapshot: every transition up to the returned `seq` is reflected in the
+/// rows, and (the log being commit-ordered) every later one has a larger
+/// `seq`.
+pub async fn wait_targets(
+    client: &impl GenericClient,
+    ids: &[i64],
+) -> Result<(Vec<RetryState>, i64), DbError> {
+    let statement = client
+        .prepare_cached(
+            "SELECT id, processing_status, attempts,
+                    CASE WHEN isfinite(retry_not_before) THEN retry_not_before END,
+                    COALESCE(retry_not_before = 'infinity', false),
+                    (SELECT COALESCE(max(seq), 0) FROM issue_transition)
+               FROM issue WHERE id = ANY($1)
+              UNION ALL
+             SELECT NULL, NULL, NULL, NULL, NULL, (SELECT COALESCE(max(seq), 0) FROM issue_transition)",
+        )
+        .await?;
+    let rows = client.query(&statement, &[&ids]).await?;
+    let mut seq = 0;
+    let mut targets = Vec::new();
+    for r in rows {
+        seq = r.get(5);
+        let Some(id) = r.get::<_, Option<i64>>(0) else {
+            continue;
+        };
+        let status: String = r.get(1);
+        targets.push(RetryState {
+            id,
+            status: status
+                .parse()
+                .map_err(|e| DbError::Invalid(format!("{e}")))?,
+            attempts: r.get(2),
+            retry_not_before: r.get(3),
+            never: r.get(4),
+        });
+    }
+    Ok((targets, seq))
+}

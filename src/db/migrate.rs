@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "settings",
         sql: include_str!("../../sql/0003_settings.sql"),
     },
+    Migration {
+        version: 4,
+        name: "pipeline",
+        sql: include_str!("../../sql/0004_pipeline.sql"),
+    },
 ];
 
 /// What a migration run did.

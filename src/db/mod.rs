@@ -2,8 +2,10 @@
 //! service runs, one file per table. Nothing outside this module writes SQL.
 
 pub mod advisory;
+pub mod briefing;
 pub mod issue;
 pub mod migrate;
+pub mod pipeline_run;
 pub mod setting;
 pub mod transition;
 

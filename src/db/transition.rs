@@ -17,7 +17,7 @@ pub async fn read_after(
 ) -> Result<Vec<Transition>, DbError> {
     let rows = client
         .query(
-            "SELECT seq, issue_id, from_status, to_status, at
+            "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal
                FROM issue_transition
               WHERE seq > $1 AND ($2::bigint IS NULL OR issue_id = $2)
               ORDER BY seq
@@ -38,6 +38,8 @@ pub async fn read_after(
                     .map_err(|e| DbError::Invalid(format!("{e}")))?,
                 to: to.parse().map_err(|e| DbError::Invalid(format!("{e}")))?,
                 at: row.get(4),
+                attempts: row.get(5),
+                fatal: row.get(6),
             })
         })
         .collect()

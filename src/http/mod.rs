@@ -3,9 +3,11 @@
 //! it with or without a socket.
 
 pub mod articles;
+pub mod briefings;
 pub mod error;
 pub mod health;
 pub mod issues;
+pub mod waits;
 
 use std::sync::Arc;
 
@@ -31,6 +33,8 @@ pub struct AppState {
     pub claimer: Claimer,
     pub generator: GeneratorHandle,
     pub settings: Arc<SettingsCache>,
+    /// Cancelled on shutdown: long requests (waits) end with 503.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 /// The whole API.
@@ -39,6 +43,8 @@ pub fn router(state: AppState) -> Router {
         .merge(issues::router())
         .merge(articles::router())
         .merge(health::router())
+        .merge(waits::router())
+        .merge(briefings::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))

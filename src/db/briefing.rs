@@ -1,0 +1,105 @@
+//! Queries on `briefing` and the articles a briefing is built from.
+
+use deadpool_postgres::GenericClient;
+use serde::Serialize;
+use time::{Date, OffsetDateTime};
+
+use super::DbError;
+use crate::status::Status;
+
+/// One requested issue with its article, if it has one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BriefingSource {
+    pub issue_id: i64,
+    pub status: Status,
+    pub title: String,
+    pub score: f64,
+    pub headline: Option<String>,
+    pub body: Option<String>,
+}
+
+/// A stored briefing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Briefing {
+    pub id: i64,
+    pub title: String,
+    pub briefing_date: String,
+    pub issue_ids: Vec<i64>,
+    pub body: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+/// The requested issues (unknown ids absent) with their articles.
+pub async fn sources(
+    client: &impl GenericClient,
+    ids: &[i64],
+) -> Result<Vec<BriefingSource>, DbError> {
+    let rows = client
+        .query(
+            "SELECT i.id, i.processing_status, i.title, i.score, a.headline, a.body
+               FROM issue i LEFT JOIN ai_article a ON a.issue_id = i.id
+              WHERE i.id = ANY($1)",
+            &[&ids],
+        )
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let status: String = r.get(1);
+            Ok(BriefingSource {
+                issue_id: r.get(0),
+                status: status
+                    .parse()
+                    .map_err(|e| DbError::Invalid(format!("{e}")))?,
+                title: r.get(2),
+                score: r.get(3),
+                headline: r.get(4),
+                body: r.get(5),
+            })
+        })
+        .collect()
+}
+
+/// Stores a briefing; returns its id.
+pub async fn insert(
+    client: &impl GenericClient,
+    title: &str,
+    date: Date,
+    issue_ids: &[i64],
+    body: &str,
+) -> Result<i64, DbError> {
+    let row = client
+        .query_one(
+            "INSERT INTO briefing (title, briefing_date, issue_ids, body) VALUES ($1, $2, $3, $4) RETURNING id",
+            &[&title, &date, &issue_ids, &body],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+fn from_row(r: &tokio_postgres::Row) -> Briefing {
+    let date: Date = r.get(2);
+    Briefing {
+        id: r.get(0),
+        title: r.get(1),
+        briefing_date: date.to_string(),
+        issue_ids: r.get(3),
+        body: r.get(4),
+        created_at: r.get(5),
+    }
+}
+
+/// One briefing by id, or the newest when `id` is `None`.
+pub async fn get(
+    client: &impl GenericClient,
+    id: Option<i64>,
+) -> Result<Option<Briefing>, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT id, title, briefing_date, issue_ids, body, created_at FROM briefing
+              WHERE $1::bigint IS NULL OR id = $1 ORDER BY id DESC LIMIT 1",
+            &[&id],
+        )
+        .await?;
+    Ok(row.as_ref().map(from_row))
+}

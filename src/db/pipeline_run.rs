@@ -1,0 +1,151 @@
+//! Queries on `pipeline_run`: the record of every pipeline run.
+
+use deadpool_postgres::GenericClient;
+use serde::Serialize;
+use time::OffsetDateTime;
+
+use super::DbError;
+
+/// What a finished run decided.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RunRecord {
+    pub outcome: String,
+    pub targets: Vec<i64>,
+    pub claimed: Vec<i64>,
+    pub completed: Vec<i64>,
+    pub failed: Vec<i64>,
+    pub unfinished: Vec<i64>,
+    pub waited_ms: Option<i64>,
+    pub briefing_id: Option<i64>,
+    pub error: Option<String>,
+}
+
+/// A run as listings show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RunView {
+    pub id: i64,
+    pub trigger: String,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub tick: Option<OffsetDateTime>,
+    pub instance: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub started_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub finished_at: Option<OffsetDateTime>,
+    pub outcome: String,
+    pub targets: Vec<i64>,
+    pub completed: Vec<i64>,
+    pub briefing_id: Option<i64>,
+    pub error: Option<String>,
+}
+
+/// Records the start of a run. For a scheduled run, `None` when its tick
+/// already has a run (another instance took it).
+pub async fn start(
+    client: &impl GenericClient,
+    trigger: &str,
+    tick: Option<OffsetDateTime>,
+    instance: &str,
+    settings: &serde_json::Value,
+) -> Result<Option<i64>, DbError> {
+    let row = client
+        .query_opt(
+            "INSERT INTO pipeline_run (trigger, tick, instance, settings) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (tick) WHERE trigger = 'schedule' DO NOTHING
+             RETURNING id",
+            &[&trigger, &tick, &instance, settings],
+        )
+        .await?;
+    Ok(row.map(|r| r.get(0)))
+}
+
+/// Marks runs left `running` by an instance that died as `abandoned`.
+/// Call only while holding the pipeline lock (so none is really running).
+pub async fn abandon_stale(client: &impl GenericClient) -> Result<u64, DbError> {
+    Ok(client
+        .execute(
+            "UPDATE pipeline_run SET outcome = 'abandoned', finished_at = now(),
+                    error = 'its instance stopped before the run finished'
+              WHERE outcome = 'running'",
+            &[],
+        )
+        .await?)
+}
+
+/// Records how a run ended.
+pub async fn finish(
+    client: &impl GenericClient,
+    id: i64,
+    record: &RunRecord,
+) -> Result<(), DbError> {
+    client
+        .execute(
+            "UPDATE pipeline_run SET finished_at = now(), outcome = $2, targets = $3, claimed = $4,
+                    completed = $5, failed = $6, unfinished = $7, waited_ms = $8, briefing_id = $9, error = $10
+              WHERE id = $1",
+            &[
+                &id,
+                &record.outcome,
+                &record.targets,
+                &record.claimed,
+                &record.completed,
+                &record.failed,
+                &record.unfinished,
+                &record.waited_ms,
+                &record.briefing_id,
+                &record.error,
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+/// The newest runs first.
+pub async fn recent(client: &impl GenericClient, limit: i64) -> Result<Vec<RunView>, DbError> {
+    let rows = client
+        .query(
+            "SELECT id, trigger, tick, instance, started_at, finished_at, outcome, targets, completed,
+                    briefing_id, error
+               FROM pipeline_run ORDER BY id DESC LIMIT $1",
+            &[&limit],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| RunView {
+            id: r.get(0),
+            trigger: r.get(1),
+            tick: r.get(2),
+            instance: r.get(3),
+            started_at: r.get(4),
+            finished_at: r.get(5),
+            outcome: r.get(6),
+            targets: r.get(7),
+            completed: r.get(8),
+            briefing_id: r.get(9),
+            error: r.get(10),
+        })
+        .collect())
+}
+
+/// The pipeline's candidates: the `top_k` hottest issues collected within
+/// `lookback_hours` that are not `DONE`, hottest first.
+pub async fn select_targets(
+    client: &impl GenericClient,
+    top_k: i64,
+    lookback_hours: i64,
+) -> Result<Vec<i64>, DbError> {
+    Ok(client
+        .query(
+            "SELECT id FROM issue
+              WHERE collected_at >= now() - make_interval(hours => $2::integer)
+                AND processing_status <> 'DONE'
+              ORDER BY score DESC, id
+              LIMIT $1",
+            &[&top_k, &(lookback_hours as i32)],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}

@@ -1,0 +1,75 @@
+//! `POST /today-newsnack` (assemble a briefing from exactly the given
+//! issues), `GET /briefings/latest`, `GET /briefings/{id}` and
+//! `GET /pipeline-runs` (the newest runs).
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+
+use super::error::{ApiError, ApiJson};
+use super::AppState;
+use crate::briefing::{self, AssembleError, Assembled};
+use crate::db::{self, briefing::Briefing, pipeline_run::RunView, DbError};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/today-newsnack", post(assemble))
+        .route("/briefings/latest", get(latest))
+        .route("/briefings/{id}", get(by_id))
+        .route("/pipeline-runs", get(recent_runs))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AssembleBody {
+    issue_ids: Vec<i64>,
+}
+
+async fn assemble(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<AssembleBody>,
+) -> Result<(StatusCode, Json<Assembled>), ApiError> {
+    match briefing::assemble(&state.pool, &body.issue_ids).await {
+        Ok(assembled) => Ok((StatusCode::CREATED, Json(assembled))),
+        Err(AssembleError::NotDone(ids)) => Err(ApiError::Conflict(
+            format!("these issues are not DONE: {ids:?}"),
+            serde_json::json!({ "not_done": ids }),
+        )),
+        Err(AssembleError::Input(e)) => Err(e.into()),
+        Err(AssembleError::Db(e)) => Err(e.into()),
+    }
+}
+
+async fn latest(State(state): State<AppState>) -> Result<Json<Briefing>, ApiError> {
+    find(&state, None).await
+}
+
+async fn by_id(
+    State(state): State<AppState>,
+    Path(raw): Path<String>,
+) -> Result<Json<Briefing>, ApiError> {
+    let id = match raw.parse::<i64>() {
+        Ok(id) if id > 0 => id,
+        _ => {
+            return Err(ApiError::bad_request(format!(
+                "briefing id must be a positive integer, got {raw:?}"
+            )))
+        }
+    };
+    find(&state, Some(id)).await
+}
+
+async fn find(state: &AppState, id: Option<i64>) -> Result<Json<Briefing>, ApiError> {
+    let client = state.pool.get().await.map_err(DbError::from)?;
+    db::briefing::get(&client, id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound("no such briefing".into()))
+}
+
+async fn recent_runs(State(state): State<AppState>) -> Result<Json<Vec<RunView>>, ApiError> {
+    let client = state.pool.get().await.map_err(DbError::from)?;
+    Ok(Json(db::pipeline_run::recent(&client, 20).await?))
+}

@@ -1,0 +1,73 @@
+//! `POST /waits`: the smart wait as a long request. It answers with the
+//! outcome the moment it is decided; a client that disconnects cancels it,
+//! and shutdown ends it with 503.
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
+use serde::Deserialize;
+
+use super::error::{ApiError, ApiJson};
+use super::AppState;
+use crate::input;
+use crate::wait::{self, WaitError, WaitReport, WaitRequest};
+
+/// The longest wait a request may ask for (one day).
+pub const MAX_TIMEOUT_S: u64 = 86_400;
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/waits", post(wait_for))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WaitBody {
+    issue_ids: Vec<i64>,
+    timeout_s: Option<f64>,
+    min_completion: Option<i64>,
+}
+
+async fn wait_for(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<WaitBody>,
+) -> Result<Json<WaitReport>, ApiError> {
+    input::check_ids("issue_ids", &body.issue_ids)?;
+    let settings = state.settings.get().await?;
+    let timeout = match body.timeout_s {
+        None => settings.wait_timeout(),
+        Some(t) if t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_S as f64 => {
+            std::time::Duration::from_secs_f64(t)
+        }
+        Some(t) => {
+            return Err(ApiError::unprocessable(format!(
+                "timeout_s must be more than 0 and at most {MAX_TIMEOUT_S}, got {t}"
+            )))
+        }
+    };
+    let min_completion = match body.min_completion {
+        None => settings.content_gen_min_completion.max(0) as usize,
+        Some(n) if (0..=input::MAX_IDS as i64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::unprocessable(format!(
+                "min_completion must be between 0 and {}, got {n}",
+                input::MAX_IDS
+            )))
+        }
+    };
+    let request = WaitRequest {
+        issue_ids: body.issue_ids,
+        timeout,
+        min_completion,
+        max_attempts: settings.max_attempts as i32,
+    };
+    // If the client goes away, axum drops this future and the wait with it.
+    match wait::smart_wait(&state.hub, request, &state.shutdown).await {
+        Ok(report) => Ok(Json(report)),
+        Err(WaitError::UnknownIds(ids)) => {
+            Err(ApiError::NotFound(format!("unknown issue ids: {ids:?}")))
+        }
+        Err(WaitError::ShuttingDown) => Err(ApiError::Unavailable("shutting down".into())),
+        Err(WaitError::Db(e)) => Err(e.into()),
+        Err(e) => Err(ApiError::Internal(e.to_string())),
+    }
+}

@@ -1,0 +1,136 @@
+//! When the scheduler ticks: `off`, a fixed interval (`every 30s`,
+//! `every 15m`, `every 6h`), or a cron expression (5 or 6 fields, UTC).
+//!
+//! Ticks are pure functions of the clock, so every instance computes the
+//! same tick instants and can agree on which run belongs to which tick.
+//! Interval ticks are aligned to multiples of the interval since the epoch.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use croner::parser::{CronParser, Seconds};
+use croner::Cron;
+use time::OffsetDateTime;
+
+/// A parsed `schedule` setting.
+#[derive(Debug, Clone)]
+pub enum Schedule {
+    Off,
+    Every(Duration),
+    Cron(Box<Cron>),
+}
+
+/// A schedule that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid schedule {value:?}: {reason} (expected \"off\", \"every <n>s|m|h\" or a cron expression)")]
+pub struct InvalidSchedule {
+    pub value: String,
+    pub reason: String,
+}
+
+impl FromStr for Schedule {
+    type Err = InvalidSchedule;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let value = s.trim();
+        let invalid = |reason: &str| InvalidSchedule {
+            value: value.to_string(),
+            reason: reason.to_string(),
+        };
+        if value.eq_ignore_ascii_case("off") {
+            return Ok(Schedule::Off);
+        }
+        if let Some(rest) = value.strip_prefix("every ") {
+            let rest = rest.trim();
+            let (number, unit) = rest.split_at(rest.len().saturating_sub(1));
+            let n: u64 = number
+                .parse()
+                .map_err(|_| invalid("the interval must be a whole number"))?;
+            let seconds = match unit {
+                "s" => n,
+                "m" => n * 60,
+                "h" => n * 3600,
+                _ => return Err(invalid("the unit must be s, m or h")),
+            };
+            if seconds == 0 {
+                return Err(invalid("the interval must be positive"));
+            }
+            return Ok(Schedule::Every(Duration::from_secs(seconds)));
+        }
+        let cron = CronParser::builder()
+            .seconds(Seconds::Optional)
+            .build()
+            .parse(value)
+            .map_err(|e| invalid(&e.to_string()))?;
+        Ok(Schedule::Cron(Box::new(cron)))
+    }
+}
+
+impl Schedule {
+    /// The first tick strictly after `now`, or `None` when off.
+    pub fn next_tick(&self, now: OffsetDateTime) -> Option<OffsetDateTime> {
+        match self {
+            Schedule::Off => None,
+            Schedule::Every(every) => {
+                let step = every.as_millis() as i128;
+                let now_ms = now.unix_timestamp_nanos() / 1_000_000;
+                let next_ms = (now_ms / step + 1) * step;
+                OffsetDateTime::from_unix_timestamp_nanos(next_ms * 1_000_000).ok()
+            }
+            Schedule::Cron(cron) => {
+                let now = chrono::DateTime::from_timestamp(now.unix_timestamp(), now.nanosecond())?;
+                let next = cron.find_next_occurrence(&now, false).ok()?;
+                OffsetDateTime::from_unix_timestamp(next.timestamp()).ok()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    #[test]
+    fn intervals_are_aligned_so_instances_agree() {
+        let s: Schedule = "every 15m".parse().unwrap();
+        let now = datetime!(2026-11-29 20:14:12 UTC);
+        assert_eq!(s.next_tick(now), Some(datetime!(2026-11-29 20:15:00 UTC)));
+        assert_eq!(
+            s.next_tick(datetime!(2026-11-29 20:15:00 UTC)),
+            Some(datetime!(2026-11-29 20:30:00 UTC))
+        );
+        let s: Schedule = "every 2s".parse().unwrap();
+        assert_eq!(s.next_tick(now), Some(datetime!(2026-11-29 20:14:14 UTC)));
+    }
+
+    #[test]
+    fn cron_expressions_with_five_or_six_fields() {
+        let daily: Schedule = "0 7 * * *".parse().unwrap();
+        assert_eq!(
+            daily.next_tick(datetime!(2026-11-29 20:14:12 UTC)),
+            Some(datetime!(2026-11-30 07:00:00 UTC))
+        );
+        let every_ten_seconds: Schedule = "*/10 * * * * *".parse().unwrap();
+        assert_eq!(
+            every_ten_seconds.next_tick(datetime!(2026-11-29 20:14:12 UTC)),
+            Some(datetime!(2026-11-29 20:14:20 UTC))
+        );
+    }
+
+    #[test]
+    fn off_and_garbage() {
+        assert!(matches!("off".parse::<Schedule>(), Ok(Schedule::Off)));
+        assert_eq!(
+            "off"
+                .parse::<Schedule>()
+                .unwrap()
+                .next_tick(OffsetDateTime::now_utc()),
+            None
+        );
+        assert!("every 0s".parse::<Schedule>().is_err());
+        assert!("every 5d".parse::<Schedule>().is_err());
+        assert!("61 * * * *".parse::<Schedule>().is_err());
+        assert!("sometimes".parse::<Schedule>().is_err());
+    }
+}

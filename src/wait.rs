@@ -1,0 +1,375 @@
+//! The smart wait: resolves the moment the deciding transition commits.
+//!
+//! ```text
+//!                    ┌──────────────────────────────┐
+//!   Progress         │           Waiting            │
+//!   (every target    └──────────────────────────────┘
+//!    DONE)     ──────▶ AllPass       │          │
+//!                                    │ Deadline │ Progress, settled
+//!                                    │          │ (no target can change)
+//!                        done ≥ min  ▼          ▼  done < min
+//!                              TimeoutPass     Skip
+//! ```
+//!
+//! `all_pass` as soon as every target is `DONE`; at the deadline
+//! `timeout_pass` if at least `min_completion` are `DONE`, else `skip`; and
+//! the same rule early once no target can still change (each is `DONE` or
+//! `FAILED` with no automatic retry left).
+//!
+//! It subscribes to the listener first, then reads the targets' state and
+//! the log position in one snapshot, so no transition can fall between;
+//! from then on it only consumes transitions (the NOTIFY payload carries
+//! attempts and whether a failure is fatal), never polling. After a
+//! listener reconnect it re-reads the targets once. Any number of waits
+//! share the process's one listener.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use statig::prelude::*;
+use tokio_util::sync::CancellationToken;
+
+use crate::db::{self, DbError};
+use crate::listener::TransitionHub;
+use crate::status::Status;
+use crate::stream::{StreamError, TransitionStream};
+
+/// How a wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitOutcome {
+    AllPass,
+    TimeoutPass,
+    Skip,
+}
+
+impl WaitOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitOutcome::AllPass => "all_pass",
+            WaitOutcome::TimeoutPass => "timeout_pass",
+            WaitOutcome::Skip => "skip",
+        }
+    }
+}
+
+/// What to wait for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitRequest {
+    pub issue_ids: Vec<i64>,
+    pub timeout: Duration,
+    pub min_completion: usize,
+    /// Attempts after which a `FAILED` target is final.
+    pub max_attempts: i32,
+}
+
+/// The answer, as `POST /waits` and `newsnack wait` print it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WaitReport {
+    pub outcome: WaitOutcome,
+    pub completed: Vec<i64>,
+    pub failed: Vec<i64>,
+    pub unfinished: Vec<i64>,
+    pub waited_ms: u64,
+}
+
+/// Why a wait could not be carried out.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    #[error("unknown issue ids: {0:?}")]
+    UnknownIds(Vec<i64>),
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    #[error("the service is shutting down")]
+    ShuttingDown,
+}
+
+/// Inputs of the outcome machine.
+#[derive(Debug, Clone, Copy)]
+pub enum WaitEvent {
+    /// The targets' tally changed.
+    Progress {
+        done: usize,
+        total: usize,
+        settled: bool,
+    },
+    /// The timeout passed.
+    Deadline { done: usize },
+}
+
+/// The outcome machine's storage: the pass threshold.
+#[derive(Debug)]
+pub struct Decision {
+    min_completion: usize,
+}
+
+#[state_machine(
+    initial = "State::waiting()",
+    state(derive(Debug, Clone, Copy, PartialEq, Eq))
+)]
+impl Decision {
+    #[state]
+    fn waiting(&self, event: &WaitEvent) -> Outcome<State> {
+        match *event {
+            WaitEvent::Progress { done, total, .. } if done == total => {
+                Transition(State::all_pass())
+            }
+            WaitEvent::Progress {
+                done,
+                settled: true,
+                ..
+            }
+            | WaitEvent::Deadline { done } => {
+                if done >= self.min_completion {
+                    Transition(State::timeout_pass())
+                } else {
+                    Transition(State::skip())
+                }
+            }
+            WaitEvent::Progress { .. } => Handled,
+        }
+    }
+
+    #[state]
+    fn all_pass(event: &WaitEvent) -> Outcome<State> {
+        let _ = event;
+        Handled
+    }
+
+    #[state]
+    fn timeout_pass(event: &WaitEvent) -> Outcome<State> {
+        let _ = event;
+        Handled
+    }
+
+    #[state]
+    fn skip(event: &WaitEvent) -> Outcome<State> {
+        let _ = event;
+        Handled
+    }
+}
+
+impl State {
+    fn outcome(self) -> Option<WaitOutcome> {
+        match self {
+            State::Waiting {} => None,
+            State::AllPass {} => Some(WaitOutcome::AllPass),
+            State::TimeoutPass {} => Some(WaitOutcome::TimeoutPass),
+            State::Skip {} => Some(WaitOutcome::Skip),
+        }
+    }
+}
+
+/// The last known state of one target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Target {
+    status: Status,
+    attempts: i32,
+    fatal: bool,
+}
+
+impl Target {
+    /// True when nothing will move it any more without an operator.
+    fn is_final(&self, max_attempts: i32) -> bool {
+        match self.status {
+            Status::Done => true,
+            Status::Failed => self.fatal || self.attempts >= max_attempts,
+            Status::Pending | Status::InProgress => false,
+        }
+    }
+}
+
+/// A wait that is subscribed and has read its targets: nothing that happens
+/// from here on can be missed. Resolve it with [`ArmedWait::outcome`].
+pub struct ArmedWait {
+    hub: TransitionHub,
+    request: WaitRequest,
+    targets: BTreeMap<i64, Target>,
+    stream: TransitionStream,
+    started: Instant,
+}
+
+impl ArmedWait {
+    /// Subscribes, then reads the targets and the log position together.
+    pub async fn arm(hub: &TransitionHub, request: WaitRequest) -> Result<ArmedWait, WaitError> {
+        let started = Instant::now();
+        let live = hub.subscribe();
+        let (targets, seq) = read_targets(hub, &request.issue_ids).await?;
+        Ok(ArmedWait {
+            hub: hub.clone(),
+            stream: TransitionStream::live_after(hub.pool().clone(), live, seq),
+            targets,
+            request,
+            started,
+        })
+    }
+
+    /// Waits for the outcome (or for `cancel`, which abandons the wait).
+    pub async fn outcome(mut self, cancel: &CancellationToken) -> Result<WaitReport, WaitError> {
+        let mut decision = Decision {
+            min_completion: self.request.min_completion,
+        }
+        .state_machine();
+        let deadline = tokio::time::sleep_until((self.started + self.request.timeout).into());
+        tokio::pin!(deadline);
+        let mut listener = self.hub.status();
+        let mut reconnects = listener.borrow_and_update().reconnects;
+        decision.handle(&self.progress());
+        while decision.state().outcome().is_none() {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(WaitError::ShuttingDown),
+                next = self.stream.next() => {
+                    let t = next?;
+                    if let Some(target) = self.targets.get_mut(&t.issue_id) {
+                        *target = Target { status: t.to, attempts: t.attempts, fatal: t.fatal };
+                        decision.handle(&self.progress());
+                    }
+                }
+                _ = &mut deadline => {
+                    decision.handle(&WaitEvent::Deadline { done: self.done_count() });
+                }
+                Ok(()) = listener.changed() => {
+                    let now = listener.borrow_and_update().reconnects;
+                    if now != reconnects {
+                        reconnects = now;
+                        // Belt and braces: the stream already caught up from
+                        // the log, but re-read the targets once.
+                        let (targets, _) = read_targets(&self.hub, &self.request.issue_ids).await?;
+                        self.targets = targets;
+                        decision.handle(&self.progress());
+                    }
+                }
+            }
+        }
+        let outcome = decision
+            .state()
+            .outcome()
+            .expect("the loop ends on an outcome");
+        Ok(self.report(outcome))
+    }
+
+    fn done_count(&self) -> usize {
+        self.targets
+            .values()
+            .filter(|t| t.status == Status::Done)
+            .count()
+    }
+
+    fn progress(&self) -> WaitEvent {
+        WaitEvent::Progress {
+            done: self.done_count(),
+            total: self.targets.len(),
+            settled: self
+                .targets
+                .values()
+                .all(|t| t.is_final(self.request.max_attempts)),
+        }
+    }
+
+    fn report(&self, outcome: WaitOutcome) -> WaitReport {
+        let pick = |wanted: &dyn Fn(Status) -> bool| -> Vec<i64> {
+            self.targets
+                .iter()
+                .filter(|(_, t)| wanted(t.status))
+                .map(|(&id, _)| id)
+                .collect()
+        };
+        WaitReport {
+            outcome,
+            completed: pick(&|s| s == Status::Done),
+            failed: pick(&|s| s == Status::Failed),
+            unfinished: pick(&|s| matches!(s, Status::Pending | Status::InProgress)),
+            waited_ms: self.started.elapsed().as_millis() as u64,
+        }
+    }
+}
+
+/// Waits for `request` (see the module docs).
+pub async fn smart_wait(
+    hub: &TransitionHub,
+    request: WaitRequest,
+    cancel: &CancellationToken,
+) -> Result<WaitReport, WaitError> {
+    ArmedWait::arm(hub, request).await?.outcome(cancel).await
+}
+
+async fn read_targets(
+    hub: &TransitionHub,
+    ids: &[i64],
+) -> Result<(BTreeMap<i64, Target>, i64), WaitError> {
+    let client = hub.pool().get().await.map_err(DbError::from)?;
+    let (rows, seq) = db::issue::wait_targets(&client, ids).await?;
+    let targets: BTreeMap<i64, Target> = rows
+        .into_iter()
+        .map(|r| {
+            (
+                r.id,
+                Target {
+                    status: r.status,
+                    attempts: r.attempts,
+                    fatal: r.never,
+                },
+            )
+        })
+        .collect();
+    let unknown: Vec<i64> = ids
+        .iter()
+        .copied()
+        .filter(|id| !targets.contains_key(id))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if !unknown.is_empty() {
+        return Err(WaitError::UnknownIds(unknown));
+    }
+    Ok((targets, seq))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decide(min: usize, events: &[WaitEvent]) -> Option<WaitOutcome> {
+        let mut m = Decision {
+            min_completion: min,
+        }
+        .state_machine();
+        for e in events {
+            m.handle(e);
+        }
+        m.state().outcome()
+    }
+
+    #[test]
+    fn the_rules() {
+        let p = |done, total, settled| WaitEvent::Progress {
+            done,
+            total,
+            settled,
+        };
+        assert_eq!(decide(3, &[p(4, 5, false)]), None);
+        assert_eq!(
+            decide(3, &[p(4, 5, false), p(5, 5, true)]),
+            Some(WaitOutcome::AllPass)
+        );
+        assert_eq!(
+            decide(3, &[WaitEvent::Deadline { done: 3 }]),
+            Some(WaitOutcome::TimeoutPass)
+        );
+        assert_eq!(
+            decide(3, &[WaitEvent::Deadline { done: 2 }]),
+            Some(WaitOutcome::Skip)
+        );
+        assert_eq!(decide(3, &[p(3, 5, true)]), Some(WaitOutcome::TimeoutPass));
+        assert_eq!(decide(3, &[p(1, 5, true)]), Some(WaitOutcome::Skip));
+        // Decided is decided: later events change nothing.
+        assert_eq!(
+            decide(3, &[p(1, 5, true), p(5, 5, true)]),
+            Some(WaitOutcome::Skip)
+        );
+    }
+}

@@ -1,0 +1,243 @@
+//! The smart wait resolves on events: each outcome, early resolution, no
+//! query between the deciding commit and the answer, and the HTTP form.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{within, TestDb};
+use newsnack::listener::ListenerOptions;
+use newsnack::wait::{smart_wait, ArmedWait, WaitOutcome, WaitRequest};
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+
+fn request(ids: &[i64], timeout: Duration, min: usize) -> WaitRequest {
+    WaitRequest {
+        issue_ids: ids.to_vec(),
+        timeout,
+        min_completion: min,
+        max_attempts: 3,
+    }
+}
+
+async fn set_status(sql: &Client, id: i64, status: &str) {
+    sql.execute(
+        "UPDATE issue SET processing_status = $2 WHERE id = $1",
+        &[&id, &status],
+    )
+    .await
+    .unwrap();
+}
+
+/// `n` issues claimed by another system (IN_PROGRESS).
+async fn in_progress(db: &TestDb, sql: &Client, n: usize) -> Vec<i64> {
+    let ids = db.add_issues(n).await;
+    for &id in &ids {
+        set_status(sql, id, "IN_PROGRESS").await;
+    }
+    ids
+}
+
+#[tokio::test]
+async fn all_pass_the_moment_the_last_target_is_done() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 5).await;
+    let (hub, stop) = db.listener().await;
+    let armed = ArmedWait::arm(&hub, request(&ids, Duration::from_secs(600), 3))
+        .await
+        .unwrap();
+    let cancel = CancellationToken::new();
+    let waiting = tokio::spawn(async move { armed.outcome(&cancel).await });
+    for &id in &ids {
+        set_status(&sql, id, "DONE").await;
+    }
+    let report = within(30, "all_pass", waiting).await.unwrap().unwrap();
+    assert_eq!(report.outcome, WaitOutcome::AllPass);
+    assert_eq!(report.completed, ids);
+    assert!(report.failed.is_empty() && report.unfinished.is_empty());
+    assert!(report.waited_ms < 600_000);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn at_the_deadline_enough_done_passes_and_too_few_skips() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 5).await;
+    for &id in &ids[..3] {
+        set_status(&sql, id, "DONE").await;
+    }
+    let (hub, stop) = db.listener().await;
+    let cancel = CancellationToken::new();
+    let pass = smart_wait(&hub, request(&ids, Duration::from_millis(300), 3), &cancel)
+        .await
+        .unwrap();
+    assert_eq!(pass.outcome, WaitOutcome::TimeoutPass);
+    assert_eq!(pass.completed, ids[..3].to_vec());
+    assert_eq!(pass.unfinished, ids[3..].to_vec());
+    let skip = smart_wait(&hub, request(&ids, Duration::from_millis(300), 4), &cancel)
+        .await
+        .unwrap();
+    assert_eq!(skip.outcome, WaitOutcome::Skip);
+    assert_eq!(skip.completed.len(), 3);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn resolves_early_once_no_target_can_change() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 5).await;
+    let (hub, stop) = db.listener().await;
+    // max_attempts 1: a FAILED target with one attempt is final.
+    let mut req = request(&ids, Duration::from_secs(600), 3);
+    req.max_attempts = 1;
+    let armed = ArmedWait::arm(&hub, req).await.unwrap();
+    let cancel = CancellationToken::new();
+    let waiting = tokio::spawn(async move { armed.outcome(&cancel).await });
+    for &id in &ids[..3] {
+        set_status(&sql, id, "DONE").await;
+    }
+    for &id in &ids[3..] {
+        set_status(&sql, id, "FAILED").await;
+    }
+    let report = within(30, "early timeout_pass", waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.outcome, WaitOutcome::TimeoutPass);
+    assert_eq!(report.failed, ids[3..].to_vec());
+    assert!(report.waited_ms < 600_000, "decided before the deadline");
+
+    // Fatal failures are final whatever the attempts: too few DONE -> skip.
+    let others = in_progress(&db, &sql, 3).await;
+    let armed = ArmedWait::arm(&hub, request(&others, Duration::from_secs(600), 2))
+        .await
+        .unwrap();
+    let cancel = CancellationToken::new();
+    let waiting = tokio::spawn(async move { armed.outcome(&cancel).await });
+    set_status(&sql, others[0], "DONE").await;
+    for &id in &others[1..] {
+        sql.execute(
+            "UPDATE issue SET processing_status='FAILED', retry_not_before='infinity', last_error='400' WHERE id=$1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    }
+    let report = within(30, "early skip", waiting).await.unwrap().unwrap();
+    assert_eq!(report.outcome, WaitOutcome::Skip);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn the_deciding_raw_sql_commit_resolves_the_wait_without_any_query_in_between() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    sql.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .unwrap();
+    let ids = in_progress(&db, &sql, 1).await;
+    // No health queries during the test, so every statement is counted.
+    let (hub, stop) = db
+        .listener_with(ListenerOptions {
+            health_interval: Duration::from_secs(3600),
+            ..ListenerOptions::default()
+        })
+        .await;
+    let armed = ArmedWait::arm(&hub, request(&ids, Duration::from_secs(600), 1))
+        .await
+        .unwrap();
+    // Every statement in this database except this count itself and the
+    // transition trigger's own statements (which run inside the UPDATE's
+    // commit and are counted separately by pg_stat_statements).
+    let count = "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND query NOT LIKE '%pg_stat_statements%'
+            AND query NOT LIKE 'SELECT pg_advisory_xact_lock%'
+            AND query NOT LIKE 'SELECT pg_notify%'
+            AND query NOT LIKE 'INSERT INTO issue_transition%'";
+    let before: i64 = sql.query_one(count, &[]).await.unwrap().get(0);
+    let cancel = CancellationToken::new();
+    let waiting = tokio::spawn(async move { armed.outcome(&cancel).await });
+    set_status(&sql, ids[0], "DONE").await;
+    let report = within(30, "the wait", waiting).await.unwrap().unwrap();
+    let after: i64 = sql.query_one(count, &[]).await.unwrap().get(0);
+    assert_eq!(report.outcome, WaitOutcome::AllPass);
+    assert_eq!(
+        after - before,
+        1,
+        "only the raw UPDATE ran: the wait issued no query"
+    );
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_waits_answers_the_outcome_and_a_disconnect_cancels_it() {
+    let db = TestDb::new().await;
+    let service = db
+        .serve(
+            "waits",
+            std::sync::Arc::new(newsnack::writer::OfflineWriter),
+        )
+        .await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 2).await;
+    let http = reqwest::Client::new();
+    let url = format!("http://{}/waits", service.addr);
+
+    let post = http
+        .post(&url)
+        .json(&serde_json::json!({"issue_ids": ids, "timeout_s": 600, "min_completion": 1}))
+        .send();
+    let answer = tokio::spawn(post);
+    let hub = service.hub.clone();
+    let baseline = hub.subscriber_count();
+    set_status(&sql, ids[0], "DONE").await;
+    set_status(&sql, ids[1], "DONE").await;
+    let response = within(30, "POST /waits", answer).await.unwrap().unwrap();
+    assert_eq!(response.status(), 200);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["outcome"], "all_pass");
+    assert_eq!(body["completed"], serde_json::json!(ids));
+    assert!(body["waited_ms"].is_u64());
+
+    // A client that goes away takes its wait with it.
+    let more = in_progress(&db, &sql, 1).await;
+    let hanging = tokio::spawn(
+        http.post(&url)
+            .json(&serde_json::json!({"issue_ids": more, "timeout_s": 600}))
+            .send(),
+    );
+    within(10, "the wait to subscribe", async {
+        while hub.subscriber_count() <= baseline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    hanging.abort();
+    within(10, "the wait to be dropped", async {
+        while hub.subscriber_count() > baseline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+
+    let unknown = http
+        .post(&url)
+        .json(&serde_json::json!({"issue_ids": [987654]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+    let bad = http
+        .post(&url)
+        .json(&serde_json::json!({"issue_ids": ids, "timeout_s": -1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 422);
+    assert!(bad.json::<serde_json::Value>().await.unwrap()["error"].is_string());
+    service.stop().await.unwrap();
+}
