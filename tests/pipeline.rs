@@ -1,0 +1,356 @@
+//! The daily pipeline: a run from selection to briefing, a skip that
+//! publishes nothing, assembly from exactly the given ids, settings changed
+//! by SQL taking effect on the next scheduled run, and two schedulers that
+//! run each tick exactly once, surviving the loss of one.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::fake_llm::{FakeLlm, Reply};
+use common::{until_sql, TestDb};
+use newsnack::writer::OfflineWriter;
+
+fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
+    command
+        .args(args)
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "warn");
+    if let Some(url) = llm {
+        command.env("NEWSNACK_LLM_URL", url);
+    }
+    command.output().unwrap()
+}
+
+/// Adds issues titled by their score, hottest last.
+async fn scored_issues(db: &TestDb, scores: &[f64]) -> Vec<i64> {
+    let sql = db.raw().await;
+    let mut ids = Vec::new();
+    for s in scores {
+        let id: i64 = sql
+            .query_one(
+                "INSERT INTO issue (title, body, score) VALUES ($1, 'Something happened. Then more.', $2) RETURNING id",
+                &[&format!("Story scored {s}"), s],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        ids.push(id);
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_selects_the_hottest_generates_waits_and_publishes_a_briefing() {
+    let db = TestDb::new().await;
+    let ids = scored_issues(&db, &[1.0, 9.0, 3.0, 7.0, 5.0, 8.0, 2.0]).await;
+    // An old issue is not a candidate, however hot.
+    db.raw()
+        .await
+        .execute(
+            "INSERT INTO issue (title, score, collected_at) VALUES ('stale', 100, now() - interval '3 days')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], None));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let hottest = vec![ids[1], ids[5], ids[3], ids[4], ids[2]];
+    assert_eq!(summary["outcome"], "all_pass");
+    assert_eq!(summary["targets"], serde_json::json!(hottest));
+    assert_eq!(summary["completed"], serde_json::json!(hottest));
+    let briefing_id = summary["briefing_id"].as_i64().unwrap();
+    let sql = db.raw().await;
+    let row = sql
+        .query_one(
+            "SELECT issue_ids, body FROM briefing WHERE id = $1",
+            &[&briefing_id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Vec<i64>>(0), hottest);
+    let body: String = row.get(1);
+    let order: Vec<usize> = ["9", "8", "7", "5", "3"]
+        .iter()
+        .map(|s| {
+            body.find(&format!("Story scored {s}"))
+                .expect("every article is in the document")
+        })
+        .collect();
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]),
+        "hottest first:\n{body}"
+    );
+    let run = sql
+        .query_one(
+            "SELECT outcome, trigger, briefing_id, settings->>'top_k' FROM pipeline_run",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(run.get::<_, String>(0), "all_pass");
+    assert_eq!(run.get::<_, String>(1), "manual");
+    assert_eq!(run.get::<_, Option<i64>>(2), Some(briefing_id));
+    assert_eq!(run.get::<_, Option<String>>(3).as_deref(), Some("5"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_articles_cannot_be_written_skips_and_publishes_nothing() {
+    let db = TestDb::new().await;
+    scored_issues(&db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
+    let fake = FakeLlm::start(|_, _| Reply::BadRequest).await;
+    let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], Some(&fake.url)));
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], "skip");
+    assert_eq!(summary["briefing_id"], serde_json::Value::Null);
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM pipeline_run WHERE outcome = 'skip'")
+            .await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn today_newsnack_uses_exactly_the_given_ids_or_says_which_are_not_done() {
+    let db = TestDb::new().await;
+    let service = db.serve("assembly", Arc::new(OfflineWriter)).await;
+    let ids = scored_issues(&db, &[1.0, 2.0, 3.0, 4.0]).await;
+    let http = reqwest::Client::new();
+    let base = format!("http://{}", service.addr);
+    let claimed = http
+        .post(format!("{base}/ai-articles"))
+        .json(&serde_json::json!({"issue_ids": &ids[..3]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(claimed.status(), 202);
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+
+    let conflict = http
+        .post(format!("{base}/today-newsnack"))
+        .json(&serde_json::json!({"issue_ids": [ids[0], ids[3], 424242]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(conflict.status(), 409);
+    let body: serde_json::Value = conflict.json().await.unwrap();
+    assert_eq!(body["not_done"], serde_json::json!([ids[3], 424242]));
+    assert!(body["error"].is_string());
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
+
+    let made = http
+        .post(format!("{base}/today-newsnack"))
+        .json(&serde_json::json!({"issue_ids": [ids[2], ids[0]]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(made.status(), 201);
+    let made: serde_json::Value = made.json().await.unwrap();
+    assert_eq!(made["issue_ids"], serde_json::json!([ids[2], ids[0]]));
+    let latest: serde_json::Value = http
+        .get(format!("{base}/briefings/latest"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(latest["id"], made["briefing_id"]);
+    let doc = latest["body"].as_str().unwrap();
+    assert!(doc.contains("Story scored 3") && doc.contains("Story scored 1"));
+    assert!(
+        !doc.contains("Story scored 2"),
+        "never pulls in other articles"
+    );
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_setting_changed_with_sql_changes_the_next_scheduled_run() {
+    let db = TestDb::new().await;
+    scored_issues(&db, &(1..=100).map(f64::from).collect::<Vec<_>>()).await;
+    let service = db.serve("scheduler", Arc::new(OfflineWriter)).await;
+    let sql = db.raw().await;
+    sql.execute(
+        "UPDATE setting SET value = 'every 1s' WHERE key = 'schedule'",
+        &[],
+    )
+    .await
+    .unwrap();
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        "SELECT count(*) >= 1 FROM pipeline_run WHERE outcome = 'all_pass' AND cardinality(targets) = 5",
+    )
+    .await;
+    sql.execute("UPDATE setting SET value = '2' WHERE key = 'top_k'", &[])
+        .await
+        .unwrap();
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        "SELECT count(*) >= 1 FROM pipeline_run WHERE outcome = 'all_pass' AND cardinality(targets) = 2",
+    )
+    .await;
+    sql.execute(
+        "UPDATE setting SET value = 'off' WHERE key = 'schedule'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let bad = sql
+        .execute(
+            "UPDATE setting SET value = 'whenever' WHERE key = 'schedule'",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert!(bad
+        .as_db_error()
+        .unwrap()
+        .message()
+        .contains("cron expression"));
+    service.stop().await.unwrap();
+}
+
+struct ServeProcess {
+    child: Child,
+}
+
+fn spawn_serve(db: &TestDb, name: &str) -> ServeProcess {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .arg("serve")
+        .env("DATABASE_URL", &db.url)
+        .env("NEWSNACK_LISTEN", "127.0.0.1:0")
+        .env("NEWSNACK_INSTANCE", name)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while let Some(Ok(line)) = lines.next() {
+        if line.starts_with("newsnack serving on") {
+            break;
+        }
+    }
+    ServeProcess { child }
+}
+
+/// Advisory locks held by sessions that are not dedicated lock sessions
+/// (i.e. pooled connections). Must always be none.
+async fn locks_on_pooled_sessions(db: &TestDb) -> i64 {
+    db.scalar_i64(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+          WHERE l.locktype = 'advisory' AND l.granted
+            AND NOT a.application_name LIKE 'newsnack-lock:%'
+            AND ((l.classid::bigint << 32) | l.objid::bigint) <> 7236284560371893001",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
+    let db = TestDb::new().await;
+    scored_issues(&db, &(1..=40).map(f64::from).collect::<Vec<_>>()).await;
+    db.set("top_k", "1").await;
+    let (hub, stop) = db.listener().await;
+    let mut a = tokio::task::block_in_place(|| spawn_serve(&db, "alpha"));
+    let mut b = tokio::task::block_in_place(|| spawn_serve(&db, "beta"));
+    db.raw()
+        .await
+        .execute(
+            "UPDATE setting SET value = 'every 1s' WHERE key = 'schedule'",
+            &[],
+        )
+        .await
+        .unwrap();
+    until_sql(
+        &db,
+        &hub,
+        60,
+        "SELECT count(*) >= 4 FROM pipeline_run WHERE outcome <> 'running'",
+    )
+    .await;
+    assert_eq!(locks_on_pooled_sessions(&db).await, 0);
+    // Kill whichever instance ran the latest tick.
+    let latest: String = db
+        .raw()
+        .await
+        .query_one(
+            "SELECT instance FROM pipeline_run ORDER BY tick DESC LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let (victim, survivor_name) = if latest == "alpha" {
+        (&mut a, "beta")
+    } else {
+        (&mut b, "alpha")
+    };
+    victim.child.kill().unwrap();
+    victim.child.wait().unwrap();
+    let killed_at = db
+        .scalar_i64("SELECT (extract(epoch FROM now()) * 1000)::bigint")
+        .await;
+    until_sql(
+        &db,
+        &hub,
+        60,
+        &format!(
+            "SELECT count(*) >= 2 FROM pipeline_run WHERE instance = '{survivor_name}'
+               AND tick > to_timestamp({killed_at} / 1000.0) AND outcome <> 'running'"
+        ),
+    )
+    .await;
+    assert_eq!(locks_on_pooled_sessions(&db).await, 0);
+    assert_eq!(
+        db.scalar_i64(
+            "SELECT count(*) - count(DISTINCT tick) FROM pipeline_run WHERE trigger = 'schedule'"
+        )
+        .await,
+        0,
+        "exactly one run per tick"
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM pipeline_run WHERE outcome IN ('error')")
+            .await,
+        0
+    );
+    let survivor = if survivor_name == "alpha" {
+        &mut a
+    } else {
+        &mut b
+    };
+    unsafe {
+        libc::kill(survivor.child.id() as i32, libc::SIGTERM);
+    }
+    let status = tokio::task::block_in_place(|| survivor.child.wait().unwrap());
+    assert!(status.success());
+    stop.cancel();
+}
