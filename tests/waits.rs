@@ -186,14 +186,14 @@ async fn post_waits_answers_the_outcome_and_a_disconnect_cancels_it() {
     let ids = in_progress(&db, &sql, 2).await;
     let http = reqwest::Client::new();
     let url = format!("http://{}/waits", service.addr);
+    let hub = service.hub.clone();
+    let baseline = hub.subscriber_count();
 
     let post = http
         .post(&url)
         .json(&serde_json::json!({"issue_ids": ids, "timeout_s": 600, "min_completion": 1}))
         .send();
     let answer = tokio::spawn(post);
-    let hub = service.hub.clone();
-    let baseline = hub.subscriber_count();
     set_status(&sql, ids[0], "DONE").await;
     set_status(&sql, ids[1], "DONE").await;
     let response = within(30, "POST /waits", answer).await.unwrap().unwrap();
