@@ -34,6 +34,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// The whole product in one command on a throwaway database and the
+    /// built-in writer: sample issues, one pipeline run with live
+    /// transitions, the smart-wait outcome and the briefing.
+    Demo,
     /// Run the service: HTTP API, listener, generation workers, retries,
     /// lease reaper. Without DATABASE_URL, on a throwaway embedded cluster.
     Serve(ServeArgs),
@@ -182,6 +186,12 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     let url = cli.database_url.clone();
     match cli.command {
         Command::Serve(args) => serve(url, args).await,
+        Command::Demo => {
+            crate::demo::run()
+                .await
+                .map_err(|e| CliError::Failed(e.to_string()))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Migrate => migrate(&required(url)?).await,
         Command::Tail(args) => tail(&required(url)?, args).await,
         Command::Claim { ids } => claim(&required(url)?, &ids).await,

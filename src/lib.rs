@@ -27,6 +27,7 @@ pub mod briefing;
 pub mod claim;
 pub mod cli;
 pub mod db;
+pub mod demo;
 pub mod embedded;
 pub mod http;
 pub mod input;

@@ -8,7 +8,9 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // The demo speaks for itself; everything else logs warnings and info.
+    let quiet = matches!(cli.command, cli::Command::Demo);
+    init_tracing(if quiet { "error" } else { "warn,newsnack=info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -28,11 +30,10 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs go to stderr; `RUST_LOG` picks levels (default: warnings, plus
-/// newsnack's own info), `NEWSNACK_LOG_FORMAT=json` switches to JSON lines.
-fn init_tracing() {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn,newsnack=info"));
+/// Logs go to stderr; `RUST_LOG` picks levels (otherwise `default`),
+/// `NEWSNACK_LOG_FORMAT=json` switches to JSON lines.
+fn init_tracing(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -8,7 +8,6 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::{until_sql, TestDb};
