@@ -264,3 +264,64 @@ async fn tail_json_replays_history_and_follows_live_one_object_per_line() {
     let status = tokio::task::block_in_place(|| tail.wait().unwrap());
     assert!(status.success(), "{status:?}");
 }
+
+#[tokio::test]
+async fn wait_prints_its_json_and_exits_3_on_skip() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(2).await;
+    let sql = db.raw().await;
+    sql.execute(
+        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id = ANY($1)",
+        &[&ids],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status='DONE' WHERE id = $1",
+        &[&ids[0]],
+    )
+    .await
+    .unwrap();
+    let (a, b) = (ids[0].to_string(), ids[1].to_string());
+    let skip = newsnack(&db.url, &["wait", &a, &b, "--timeout", "0.3", "--min", "2"]);
+    assert_eq!(skip.status.code(), Some(3), "{}", text(&skip.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&skip.stdout).unwrap();
+    assert_eq!(report["outcome"], "skip");
+    assert_eq!(report["completed"], serde_json::json!([ids[0]]));
+    assert_eq!(report["unfinished"], serde_json::json!([ids[1]]));
+    let pass = newsnack(&db.url, &["wait", &a, &b, "--timeout", "0.3", "--min", "1"]);
+    assert_eq!(pass.status.code(), Some(0));
+    let report: serde_json::Value = serde_json::from_slice(&pass.stdout).unwrap();
+    assert_eq!(report["outcome"], "timeout_pass");
+    let unknown = newsnack(&db.url, &["wait", "999999", "--timeout", "1"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(text(&unknown.stderr).contains("unknown issue ids"));
+}
+
+#[tokio::test]
+async fn run_pipeline_says_so_when_another_run_holds_the_lock_and_locks_lists_it() {
+    let db = TestDb::new().await;
+    let holder = db.raw().await;
+    let taken: bool = holder
+        .query_one(
+            "SELECT pg_try_advisory_lock($1)",
+            &[&newsnack::db::advisory::PIPELINE],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(taken);
+    let busy = newsnack(&db.url, &["run-pipeline"]);
+    assert_eq!(busy.status.code(), Some(4));
+    assert!(text(&busy.stderr).contains("another pipeline run holds the lock"));
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM pipeline_run").await, 0);
+    let listed = text(&newsnack(&db.url, &["locks"]).stdout);
+    let line = listed
+        .lines()
+        .find(|l| l.starts_with("pipeline"))
+        .expect("the pipeline lock is listed");
+    assert!(
+        line.contains("other-system") && line.contains("held"),
+        "{line}"
+    );
+}
