@@ -33,6 +33,7 @@ pub mod http;
 pub mod input;
 pub mod listener;
 pub mod machine;
+pub mod metrics;
 pub mod pipeline;
 pub mod reaper;
 pub mod retry;

@@ -3,7 +3,10 @@
 //! it with or without a socket.
 
 pub mod articles;
+pub mod auth;
 pub mod briefings;
+pub mod dashboard;
+pub mod events;
 pub mod error;
 pub mod health;
 pub mod issues;
@@ -45,6 +48,8 @@ pub fn router(state: AppState) -> Router {
         .merge(health::router())
         .merge(waits::router())
         .merge(briefings::router())
+        .merge(events::router())
+        .merge(dashboard::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))

@@ -1,0 +1,2 @@
+//! Bearer-token authentication for every non-GET endpoint.
+//! (Being implemented.)

@@ -1,0 +1,2 @@
+//! Prometheus metrics: what is counted and where it is rendered.
+//! (Being implemented.)
