@@ -6,7 +6,7 @@ use time::OffsetDateTime;
 use crate::db::issue::NewIssue;
 
 /// One issue as clients send it.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewIssueJson {
     pub title: String,

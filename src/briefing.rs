@@ -20,7 +20,7 @@ pub enum AssembleError {
 }
 
 /// What was assembled.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Assembled {
     pub briefing_id: i64,
     pub issue_ids: Vec<i64>,

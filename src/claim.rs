@@ -86,9 +86,11 @@ impl Claimer {
             })
             .await
             .map_err(|_| DbError::Invalid("the claimer has stopped".into()))?;
-        outcome
+        let outcome = outcome
             .await
-            .map_err(|_| DbError::Invalid("the claimer has stopped".into()))?
+            .map_err(|_| DbError::Invalid("the claimer has stopped".into()))??;
+        crate::metrics::claims_answered(outcome.claimed.len(), outcome.skipped.len());
+        Ok(outcome)
     }
 }
 

@@ -106,6 +106,10 @@ pub struct ServeArgs {
     /// before they are released as FAILED (reason `shutdown`).
     #[arg(long, env = "NEWSNACK_SHUTDOWN_GRACE_S", default_value_t = 10)]
     pub grace_s: u64,
+    /// Bearer token every non-GET API request must carry
+    /// (`Authorization: Bearer <token>`); unset or empty: no token needed.
+    #[arg(long, env = "NEWSNACK_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -236,6 +240,7 @@ async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliErro
             .unwrap_or_else(crate::serve::default_instance_name),
         pool_size: args.pool_size as usize,
         grace: Duration::from_secs(args.grace_s),
+        api_token: args.api_token.filter(|t| !t.trim().is_empty()),
     };
     let embedded = options.database_url.is_none();
     let service = crate::serve::start(options, writer).await?;

@@ -203,6 +203,7 @@ impl Listener {
                 SessionEnd::Shutdown => return,
                 SessionEnd::Lost(reason) => {
                     tracing::warn!(%reason, "listener lost its session; reconnecting");
+                    crate::metrics::listener_reconnecting();
                     self.status.send_modify(|s| {
                         s.connected = false;
                         s.backend_pid = None;
@@ -306,6 +307,7 @@ impl Listener {
 
     fn publish(&mut self, t: Transition) {
         self.last_seq = t.seq;
+        crate::metrics::transition_published(t.from, t.to);
         // No subscribers is fine: the log keeps everything.
         let _ = self.events.send(t);
         let seq = self.last_seq;

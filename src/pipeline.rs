@@ -84,6 +84,7 @@ impl Pipeline {
         else {
             return Err(PipelineError::Busy);
         };
+        let _held = crate::metrics::advisory_lock_held(advisory::name_of(lock.key()));
         // The lock is held for the whole run; if this task is cancelled or
         // panics, dropping it closes its session and so releases it.
         let result = self.run(trigger, cancel).await;

@@ -28,7 +28,8 @@ pub struct LeaseReaper {
 
 impl LeaseReaper {
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut lock: Option<AdvisoryLock> = None;
+        // The lock, and the guard that shows it as held in the metrics.
+        let mut lock: Option<(AdvisoryLock, crate::metrics::GaugeGuard)> = None;
         loop {
             let tick = self.tick_interval().await;
             tokio::select! {
@@ -36,7 +37,7 @@ impl LeaseReaper {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(tick) => {}
             }
-            if let Some(held) = &lock {
+            if let Some((held, _)) = &lock {
                 if !held.is_held().await {
                     tracing::warn!("lost the reaper lock's session");
                     lock = None;
@@ -52,7 +53,9 @@ impl LeaseReaper {
                 {
                     Ok(Some(taken)) => {
                         tracing::info!("this instance is now the lease reaper");
-                        lock = Some(taken);
+                        let shown =
+                            crate::metrics::advisory_lock_held(advisory::name_of(taken.key()));
+                        lock = Some((taken, shown));
                     }
                     Ok(None) => continue,
                     Err(e) => {
@@ -67,7 +70,7 @@ impl LeaseReaper {
                 Err(e) => tracing::warn!(error = %e, "reaping failed"),
             }
         }
-        if let Some(lock) = lock {
+        if let Some((lock, _shown)) = lock {
             lock.release().await;
         }
     }

@@ -35,6 +35,9 @@ pub struct ServeOptions {
     pub pool_size: usize,
     /// How long in-flight generations may finish after shutdown begins.
     pub grace: Duration,
+    /// When set (non-empty), non-read API requests need
+    /// `Authorization: Bearer <token>`.
+    pub api_token: Option<String>,
 }
 
 /// Why the service could not start or run.
@@ -256,6 +259,7 @@ pub async fn start(
         generator: core.generator.clone(),
         settings: core.settings.clone(),
         shutdown: shutdown.clone(),
+        api_token: options.api_token.clone(),
     });
     let socket = tokio::net::TcpListener::bind(options.listen)
         .await

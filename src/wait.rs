@@ -36,7 +36,7 @@ use crate::status::Status;
 use crate::stream::{StreamError, TransitionStream};
 
 /// How a wait ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WaitOutcome {
     AllPass,
@@ -65,7 +65,7 @@ pub struct WaitRequest {
 }
 
 /// The answer, as `POST /waits` and `newsnack wait` print it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct WaitReport {
     pub outcome: WaitOutcome,
     pub completed: Vec<i64>,
@@ -249,6 +249,7 @@ impl ArmedWait {
             .state()
             .outcome()
             .expect("the loop ends on an outcome");
+        crate::metrics::wait_decided(outcome.as_str(), self.started.elapsed());
         Ok(self.report(outcome))
     }
 

@@ -211,6 +211,7 @@ async fn generate(
     slots: Arc<Semaphore>,
     claimed: ClaimedIssue,
 ) {
+    let _in_flight = crate::metrics::generation_started();
     let lease = match settings.get().await {
         Ok(s) => s.lease(),
         Err(_) => Duration::from_secs(60),
@@ -222,6 +223,10 @@ async fn generate(
             .expect("the semaphore is never closed");
         let started = std::time::Instant::now();
         let result = writer.write(IssueText::from(&claimed)).await;
+        crate::metrics::llm_call_finished(
+            started.elapsed(),
+            result.as_ref().err().map(|e| e.kind().as_str()),
+        );
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
         record(&pool, &claimed, writer.name(), result).await
     };

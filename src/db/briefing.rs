@@ -19,7 +19,7 @@ pub struct BriefingSource {
 }
 
 /// A stored briefing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Briefing {
     pub id: i64,
     pub title: String,

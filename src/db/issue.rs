@@ -21,7 +21,7 @@ pub struct NewIssue {
 }
 
 /// An issue as the API and CLI show it.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct IssueView {
     pub id: i64,
     pub title: String,

@@ -3,6 +3,7 @@
 
 pub mod advisory;
 pub mod briefing;
+pub mod dashboard;
 pub mod issue;
 pub mod migrate;
 pub mod pipeline_run;

@@ -21,7 +21,7 @@ pub struct RunRecord {
 }
 
 /// A run as listings show it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct RunView {
     pub id: i64,
     pub trigger: String,

@@ -18,13 +18,18 @@ pub fn router() -> Router<AppState> {
     Router::new().route("/ai-articles", post(request_articles))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct ArticleRequest {
+pub struct ArticleRequest {
     issue_ids: Vec<i64>,
 }
 
-async fn request_articles(
+/// Claim issues for generation (`FOR NO KEY UPDATE SKIP LOCKED`).
+#[utoipa::path(post, path = "/ai-articles", request_body = ArticleRequest, tag = "generation",
+    responses((status = 202, description = "`{\"claimed\":[..],\"skipped\":[..]}`; generated in the background"),
+              (status = 409, description = "nothing was claimable; same fields plus `error`"),
+              (status = 422, description = "invalid id list")))]
+pub async fn request_articles(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ArticleRequest>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {

@@ -21,13 +21,17 @@ pub fn router() -> Router<AppState> {
         .route("/pipeline-runs", get(recent_runs))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct AssembleBody {
+pub struct AssembleBody {
     issue_ids: Vec<i64>,
 }
 
-async fn assemble(
+/// Assemble a briefing from exactly these issues, in this order.
+#[utoipa::path(post, path = "/today-newsnack", request_body = AssembleBody, tag = "briefings",
+    responses((status = 201, body = Assembled),
+              (status = 409, description = "`not_done` lists the ids that are not DONE")))]
+pub async fn assemble(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<AssembleBody>,
 ) -> Result<(StatusCode, Json<Assembled>), ApiError> {
@@ -42,11 +46,18 @@ async fn assemble(
     }
 }
 
-async fn latest(State(state): State<AppState>) -> Result<Json<Briefing>, ApiError> {
+/// The newest briefing.
+#[utoipa::path(get, path = "/briefings/latest", tag = "briefings",
+    responses((status = 200, body = Briefing), (status = 404, description = "none yet")))]
+pub async fn latest(State(state): State<AppState>) -> Result<Json<Briefing>, ApiError> {
     find(&state, None).await
 }
 
-async fn by_id(
+/// One briefing.
+#[utoipa::path(get, path = "/briefings/{id}", tag = "briefings",
+    params(("id" = i64, Path, description = "briefing id")),
+    responses((status = 200, body = Briefing), (status = 404, description = "no such briefing")))]
+pub async fn by_id(
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<Briefing>, ApiError> {
@@ -69,7 +80,10 @@ async fn find(state: &AppState, id: Option<i64>) -> Result<Json<Briefing>, ApiEr
         .ok_or_else(|| ApiError::NotFound("no such briefing".into()))
 }
 
-async fn recent_runs(State(state): State<AppState>) -> Result<Json<Vec<RunView>>, ApiError> {
+/// The 20 newest pipeline runs.
+#[utoipa::path(get, path = "/pipeline-runs", tag = "briefings",
+    responses((status = 200, body = [RunView])))]
+pub async fn recent_runs(State(state): State<AppState>) -> Result<Json<Vec<RunView>>, ApiError> {
     let client = state.pool.get().await.map_err(DbError::from)?;
     Ok(Json(db::pipeline_run::recent(&client, 20).await?))
 }

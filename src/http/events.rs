@@ -1,10 +1,291 @@
 //! `GET /events`: Server-Sent Events over the gapless transition stream.
-//! (Being implemented.)
+//!
+//! Every transition is one event: `id:` is its `seq`, `event: transition`,
+//! and `data:` the JSON of [`Transition`] (the NOTIFY payload: `seq`,
+//! `issue_id`, `from`, `to`, `at`, `attempts`, `fatal`).
+//!
+//! Where a stream starts: the `Last-Event-ID` header wins (a reconnecting
+//! `EventSource` sends it), else `?since=SEQ` (`since=0` replays the whole
+//! log), else live from the listener's newest `seq`. Either way the stream
+//! sends every transition after that `seq` exactly once, in order, so a
+//! client that reconnects with the last id it saw misses nothing and sees
+//! nothing twice. `?issue_id=N` keeps one issue's transitions. A
+//! non-numeric or negative `since`/`Last-Event-ID`, or an `issue_id` that is
+//! not a positive integer, is answered 400 with `{"error": ".."}`.
+//!
+//! Cost per client: one receiver on the hub's broadcast channel (the one
+//! LISTEN connection is shared by every client; a receiver is a cursor into
+//! the hub's fixed ring, which a lagging receiver does not grow), at most one
+//! page of log rows, and hyper's bounded write buffer. A client that stops
+//! reading stops the polling of its stream through TCP back-pressure, so it
+//! holds back nobody: when it reads again, its stream notices it was
+//! overtaken and reads what it missed from the log.
+//!
+//! Slow clients: a stream is ended when the transition it is about to send
+//! is more than [`MAX_FALL_BEHIND`] (10,000) transitions further behind the
+//! newest published one than the stream has ever been since it started
+//! (a live client may thus fall 10,000 behind; a replay from `since=0` may
+//! take as long as it needs, as long as it does not lose more than 10,000 of
+//! the ground it has gained). It ends with a final event
+//!
+//! ```text
+//! event: dropped
+//! data: {"reason":"client too slow","resume_after":SEQ}
+//! ```
+//!
+//! where `SEQ` is the last `seq` sent (or the starting point), so the client
+//! can reconnect with `Last-Event-ID: SEQ` and read the rest from the log.
+//! Streams filtered by `issue_id` carry one issue's few transitions, read
+//! through the `(issue_id, seq)` index, and are never dropped for slowness.
+//!
+//! The same final `dropped` event (with `reason` `"server shutting down"` or
+//! `"transition stream failed"`) ends a stream on shutdown, so graceful
+//! shutdown never waits for SSE clients, and when the log cannot be read.
+//! A comment line is sent every [`KEEP_ALIVE`] (15 s) to keep proxies and
+//! idle-timeouts from closing a quiet stream.
 
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
 use axum::Router;
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
+use super::error::ApiError;
 use super::AppState;
+use crate::listener::ListenerStatus;
+use crate::stream::TransitionStream;
+use crate::transition::Transition;
+
+/// How often a keep-alive comment is sent on a quiet stream.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// How many transitions a stream may fall behind beyond the smallest lag it
+/// has had before it is dropped (see the module docs).
+pub const MAX_FALL_BEHIND: i64 = 10_000;
+
+/// The SSE event name of a transition.
+pub const TRANSITION_EVENT: &str = "transition";
+/// The SSE event name of the final event of a stream the server ends.
+pub const DROPPED_EVENT: &str = "dropped";
 
 pub fn router() -> Router<AppState> {
-    Router::new()
+    let cache = Arc::new(EventCache::new());
+    Router::new().route(
+        "/events",
+        get(
+            move |state: State<AppState>,
+                  headers: HeaderMap,
+                  query: Result<Query<EventsQuery>, QueryRejection>| {
+                events(state, headers, query, cache.clone())
+            },
+        ),
+    )
+}
+
+/// A request parameter that is not what `GET /events` accepts.
+#[derive(Debug, thiserror::Error)]
+pub enum BadParameter {
+    #[error("{name} must be a non-negative integer (a transition seq), got {value:?}")]
+    NotASeq { name: &'static str, value: String },
+    #[error("issue_id must be a positive integer, got {0:?}")]
+    NotAnId(String),
+    #[error("{0}")]
+    Malformed(String),
+}
+
+impl From<BadParameter> for ApiError {
+    fn from(e: BadParameter) -> Self {
+        ApiError::bad_request(e.to_string())
+    }
+}
+
+/// The query string, taken as text so bad values get a precise message.
+#[derive(Deserialize)]
+struct EventsQuery {
+    since: Option<String>,
+    issue_id: Option<String>,
+}
+
+fn parse_seq(name: &'static str, raw: &str) -> Result<i64, BadParameter> {
+    match raw.trim().parse::<i64>() {
+        Ok(seq) if seq >= 0 => Ok(seq),
+        _ => Err(BadParameter::NotASeq {
+            name,
+            value: raw.to_string(),
+        }),
+    }
+}
+
+fn parse_issue_id(raw: &str) -> Result<i64, BadParameter> {
+    match raw.trim().parse::<i64>() {
+        Ok(id) if id > 0 => Ok(id),
+        _ => Err(BadParameter::NotAnId(raw.to_string())),
+    }
+}
+
+/// The starting `seq` asked for, if any: `Last-Event-ID` first, then `since`.
+fn requested_start(headers: &HeaderMap, since: Option<&str>) -> Result<Option<i64>, BadParameter> {
+    if let Some(value) = headers.get("last-event-id") {
+        let text = value.to_str().map_err(|_| BadParameter::NotASeq {
+            name: "Last-Event-ID",
+            value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+        })?;
+        return parse_seq("Last-Event-ID", text).map(Some);
+    }
+    since.map(|s| parse_seq("since", s)).transpose()
+}
+
+async fn events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    query: Result<Query<EventsQuery>, QueryRejection>,
+    cache: Arc<EventCache>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|e| BadParameter::Malformed(e.body_text()))?;
+    let issue_id = query.issue_id.as_deref().map(parse_issue_id).transpose()?;
+    let requested = requested_start(&headers, query.since.as_deref())?;
+    let head = state.hub.status();
+    let newest = head.borrow().last_seq;
+    let start = requested.unwrap_or(newest);
+    let feed = Feed {
+        stream: state.hub.stream_after(start, issue_id),
+        cache,
+        head,
+        shutdown: Box::pin(state.shutdown.clone().cancelled_owned()),
+        sent: start,
+        best_lag: issue_id.is_none().then(|| (newest - start).max(0)),
+        done: false,
+    };
+    let events = futures::stream::unfold(feed, |mut feed| async move {
+        if feed.done {
+            return None;
+        }
+        let event = feed.next_event().await;
+        Some((Ok::<_, Infallible>(event), feed))
+    });
+    let mut response = Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
+        .into_response();
+    // Tell buffering reverse proxies (nginx) to pass events through at once.
+    response
+        .headers_mut()
+        .insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(response)
+}
+
+/// One client's stream and what the slow-client policy needs.
+struct Feed {
+    stream: TransitionStream,
+    cache: Arc<EventCache>,
+    /// The listener's state: `last_seq` is the newest published transition.
+    head: watch::Receiver<ListenerStatus>,
+    shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// The last `seq` sent, or the starting point.
+    sent: i64,
+    /// The smallest lag behind the newest transition seen so far; `None`
+    /// for filtered streams, which are never dropped for slowness.
+    best_lag: Option<i64>,
+    done: bool,
+}
+
+impl Feed {
+    /// The next event to send; a `dropped` event ends the stream.
+    async fn next_event(&mut self) -> Event {
+        let next = tokio::select! {
+            biased;
+            _ = &mut self.shutdown => return self.end("server shutting down"),
+            next = self.stream.next() => next,
+        };
+        let transition = match next {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, resume_after = self.sent, "ending an SSE stream");
+                return self.end("transition stream failed");
+            }
+        };
+        if self.too_slow(transition.seq) {
+            tracing::info!(
+                resume_after = self.sent,
+                newest = self.head.borrow().last_seq,
+                "dropping a slow SSE client"
+            );
+            return self.end("client too slow");
+        }
+        match self.cache.event(&transition) {
+            Ok(event) => {
+                self.sent = transition.seq;
+                event
+            }
+            Err(e) => {
+                tracing::error!(error = %e, seq = transition.seq, "cannot serialise a transition");
+                self.end("transition stream failed")
+            }
+        }
+    }
+
+    /// Applies the slow-client policy to the transition about to be sent.
+    fn too_slow(&mut self, seq: i64) -> bool {
+        let Some(best) = self.best_lag.as_mut() else {
+            return false;
+        };
+        let lag = (self.head.borrow().last_seq - seq).max(0);
+        *best = (*best).min(lag);
+        lag - *best > MAX_FALL_BEHIND
+    }
+
+    /// The final event of a stream the server ends.
+    fn end(&mut self, reason: &str) -> Event {
+        self.done = true;
+        Event::default()
+            .event(DROPPED_EVENT)
+            .data(serde_json::json!({ "reason": reason, "resume_after": self.sent }).to_string())
+    }
+}
+
+/// Transition events built recently, shared by every client of one router:
+/// the clients of a live fan-out all send the same transitions at about the
+/// same time, so each is serialised once rather than once per client. A
+/// slot holds one `seq`; a miss (a client far behind) just builds it again.
+struct EventCache {
+    slots: Box<[Mutex<Option<(Transition, Event)>>]>,
+}
+
+impl EventCache {
+    const SLOTS: usize = 1024;
+
+    fn new() -> Self {
+        EventCache {
+            slots: (0..Self::SLOTS).map(|_| Mutex::new(None)).collect(),
+        }
+    }
+
+    fn event(&self, t: &Transition) -> Result<Event, axum::Error> {
+        let slot = &self.slots[t.seq.rem_euclid(Self::SLOTS as i64) as usize];
+        if let Some((cached, event)) = &*slot.lock().unwrap_or_else(|e| e.into_inner()) {
+            if cached == t {
+                return Ok(event.clone());
+            }
+        }
+        let event = transition_event(t)?;
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((t.clone(), event.clone()));
+        Ok(event)
+    }
+}
+
+/// `id: SEQ`, `event: transition`, `data: {..}`.
+pub fn transition_event(t: &Transition) -> Result<Event, axum::Error> {
+    Event::default()
+        .id(t.seq.to_string())
+        .event(TRANSITION_EVENT)
+        .json_data(t)
 }

@@ -14,11 +14,16 @@ pub fn router() -> Router<AppState> {
         .route("/readyz", get(readyz))
 }
 
-async fn healthz() -> Json<serde_json::Value> {
+/// Liveness.
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "alive")))]
+pub async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }
 
-async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_json::Value>) {
+/// Readiness: the database answers and the listener is connected.
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses((status = 200, description = "ready"), (status = 503, description = "not ready")))]
+pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_json::Value>) {
     let database = match state.pool.get().await {
         Ok(client) => client.simple_query("SELECT 1").await.is_ok(),
         Err(_) => false,

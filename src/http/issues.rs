@@ -18,13 +18,17 @@ pub fn router() -> Router<AppState> {
         .route("/issues/{id}", get(show_issue))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct AddIssues {
+pub struct AddIssues {
     issues: Vec<NewIssueJson>,
 }
 
-async fn add_issues(
+/// Add issues (1 to 1000).
+#[utoipa::path(post, path = "/issues", request_body = AddIssues, tag = "issues",
+    responses((status = 201, description = "`{\"ids\":[..]}` in input order"),
+              (status = 422, description = "invalid issues; nothing added")))]
+pub async fn add_issues(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<AddIssues>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
@@ -45,7 +49,11 @@ pub(super) fn parse_id(raw: &str) -> Result<i64, ApiError> {
     }
 }
 
-async fn show_issue(
+/// One issue.
+#[utoipa::path(get, path = "/issues/{id}", tag = "issues",
+    params(("id" = i64, Path, description = "issue id")),
+    responses((status = 200, body = IssueView), (status = 404, description = "no such issue")))]
+pub async fn show_issue(
     State(state): State<AppState>,
     Path(raw): Path<String>,
 ) -> Result<Json<IssueView>, ApiError> {

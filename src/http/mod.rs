@@ -1,21 +1,33 @@
 //! The HTTP API (axum): one router per resource, one [`ApiError`], the
 //! shared [`AppState`]. [`router`] builds the whole app, so tests can drive
 //! it with or without a socket.
+//!
+//! Around every route: an `x-request-id` (the client's, or a new UUID) set on
+//! the request and echoed on the response, a request span carrying that id,
+//! the method and the path, and the API token check on non-read requests
+//! ([`auth`]). `GET /metrics` renders [`crate::metrics`].
 
 pub mod articles;
 pub mod auth;
 pub mod briefings;
 pub mod dashboard;
-pub mod events;
 pub mod error;
+pub mod events;
 pub mod health;
 pub mod issues;
+pub mod openapi;
 pub mod waits;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderValue, Request, Response};
+use axum::routing::get;
 use axum::Router;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
 
 pub use error::ApiError;
 
@@ -38,10 +50,14 @@ pub struct AppState {
     pub settings: Arc<SettingsCache>,
     /// Cancelled on shutdown: long requests (waits) end with 503.
     pub shutdown: tokio_util::sync::CancellationToken,
+    /// When set (non-empty), non-read requests need `Authorization: Bearer`
+    /// with it ([`auth`]).
+    pub api_token: Option<String>,
 }
 
 /// The whole API.
 pub fn router(state: AppState) -> Router {
+    let token = auth::ApiToken::new(state.api_token.as_deref());
     Router::new()
         .merge(issues::router())
         .merge(articles::router())
@@ -50,10 +66,70 @@ pub fn router(state: AppState) -> Router {
         .merge(briefings::router())
         .merge(events::router())
         .merge(dashboard::router())
+        .merge(openapi::router())
+        .route("/metrics", get(prometheus_metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(
+            token,
+            auth::require_token,
+        ))
+        // Layers added later wrap the earlier ones: the id is set first,
+        // then the span opens, and the id is copied onto every response
+        // (401s included).
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_response(log_response),
+        )
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)
+}
+
+/// `GET /metrics`: the Prometheus text format.
+async fn prometheus_metrics() -> Result<Response<axum::body::Body>, ApiError> {
+    let text = crate::metrics::render().map_err(|e| ApiError::Internal(e.to_string()))?;
+    let mut response = Response::new(axum::body::Body::from(text));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+    );
+    Ok(response)
+}
+
+/// Paths polled by probes and scrapers: logged at debug, not info.
+const QUIET_PATHS: &[&str] = &["/healthz", "/readyz", "/metrics"];
+
+/// The span every request runs in: its id, method and path.
+fn request_span<B>(request: &Request<B>) -> tracing::Span {
+    let request_id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let method = request.method().as_str();
+    let path = request.uri().path();
+    if QUIET_PATHS.contains(&path) {
+        tracing::debug_span!("request", request_id, method, path)
+    } else {
+        tracing::info_span!("request", request_id, method, path)
+    }
+}
+
+/// One line per answered request, in its span (so with its id).
+fn log_response<B>(response: &Response<B>, latency: Duration, span: &tracing::Span) {
+    let status = response.status().as_u16();
+    let latency_ms = latency.as_secs_f64() * 1000.0;
+    let quiet = span
+        .metadata()
+        .is_none_or(|m| *m.level() > tracing::Level::INFO);
+    if quiet {
+        tracing::debug!(status, latency_ms, "answered");
+    } else {
+        tracing::info!(status, latency_ms, "answered");
+    }
 }
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {

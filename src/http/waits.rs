@@ -19,15 +19,19 @@ pub fn router() -> Router<AppState> {
     Router::new().route("/waits", post(wait_for))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct WaitBody {
+pub struct WaitBody {
     issue_ids: Vec<i64>,
     timeout_s: Option<f64>,
     min_completion: Option<i64>,
 }
 
-async fn wait_for(
+/// The smart wait: answers the moment the outcome is decided.
+#[utoipa::path(post, path = "/waits", request_body = WaitBody, tag = "generation",
+    responses((status = 200, body = WaitReport), (status = 404, description = "unknown issue ids"),
+              (status = 422, description = "invalid request")))]
+pub async fn wait_for(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<WaitBody>,
 ) -> Result<Json<WaitReport>, ApiError> {

@@ -234,6 +234,7 @@ impl TestDb {
                 instance: instance.into(),
                 pool_size: 16,
                 grace: Duration::from_secs(5),
+                api_token: None,
             },
             writer,
         )

@@ -1,0 +1,638 @@
+//! Benchmark: the HTTP claim path and the whole pipeline, on a throwaway
+//! cluster with default durability. Prints one JSON object on stdout.
+//!
+//! Phases, each on a database of its own:
+//!
+//! 1. **idle RSS**: the real binary (`newsnack serve`, built by `cargo bench`
+//!    itself, found through `CARGO_BIN_EXE_newsnack`) is started, answers
+//!    `/readyz`, sits idle for `BENCH_IDLE_SECONDS` (default 2), and its
+//!    `VmRSS`/`VmHWM` (and `Pss`) are read from `/proc/<pid>`.
+//! 2. **the seeds' workload over HTTP**: `BENCH_ISSUES` (default 2,000)
+//!    issues, `BENCH_CLIENTS` (default 16) keep-alive reqwest clients; each
+//!    posts every window of 5 consecutive ids (windows advancing by 2) to
+//!    `POST /ai-articles`, starting at its own offset, so most requests
+//!    overlap and get 409. The service runs in this process with the offline
+//!    writer (issues complete almost at once). Requests/s, p50/p99 latency,
+//!    202/409 counts, then, once every claimed issue is `DONE` (counted on
+//!    the gapless transition stream), duplicates checked with SQL.
+//! 3. **direct claims**: the same workload through `claim_issues`, one
+//!    statement per transaction, 16 tasks with a connection each, no HTTP;
+//!    and once more through the service's group-committing `Claimer`.
+//! 4. **end to end, two instances**: two services on one database,
+//!    `BENCH_E2E_ISSUES` (default 4,000) issues, 16 clients posting disjoint
+//!    batches of `BENCH_E2E_BATCH` (default 10) ids, alternately to each
+//!    instance; issues/s from the first request to the last `DONE`.
+//!
+//! The bench process runs the in-process services and their clients on the
+//! same cores as PostgreSQL, so the HTTP figures include the clients' cost.
+//! `BENCH_DURABLE=0` turns fsync off. Runs in well under three minutes.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use newsnack::claim::Claimer;
+use newsnack::db::issue::{claim_issues, insert_issues, ClaimScope, NewIssue};
+use newsnack::db::{self, DbPool, PoolOptions};
+use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::listener::TransitionHub;
+use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::status::Status;
+use newsnack::writer::{OfflineWriter, SharedWriter};
+use serde_json::json;
+use tokio::sync::Barrier;
+
+const WINDOW: usize = 5;
+const STEP: usize = 2;
+const LEASE: Duration = Duration::from_secs(60);
+const SERVICE_POOL: usize = 16;
+
+fn knob(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[tokio::main]
+async fn main() {
+    let issues = knob("BENCH_ISSUES", 2_000) as usize;
+    let clients = knob("BENCH_CLIENTS", 16) as usize;
+    let e2e_issues = knob("BENCH_E2E_ISSUES", 4_000) as usize;
+    let e2e_batch = knob("BENCH_E2E_BATCH", 10) as usize;
+    let idle_seconds = knob("BENCH_IDLE_SECONDS", 2);
+    let durable = knob("BENCH_DURABLE", 1) != 0;
+    let started = Instant::now();
+
+    let cluster = tokio::task::spawn_blocking(move || {
+        EmbeddedPostgres::start(&EmbeddedOptions {
+            durable,
+            settings: vec![("max_connections".into(), "300".into())],
+        })
+    })
+    .await
+    .unwrap()
+    .expect("start a throwaway cluster");
+    let admin = connect(&cluster.url("postgres")).await;
+    for name in ["idle", "seeds", "direct", "direct_claimer", "e2e"] {
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap();
+    }
+    let server_log = cluster.dir().map(|d| d.join("server.log"));
+
+    let idle = idle_rss(&cluster.url("idle"), Duration::from_secs(idle_seconds)).await;
+    let seeds = seeds_over_http(&cluster.url("seeds"), issues, clients).await;
+    let direct = direct_claims(&cluster.url("direct"), issues, clients, false).await;
+    let grouped = direct_claims(&cluster.url("direct_claimer"), issues, clients, true).await;
+    let e2e = two_instances(&cluster.url("e2e"), e2e_issues, clients, e2e_batch).await;
+
+    let unique_violations = server_log
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .map(|log| {
+            log.matches("duplicate key value violates unique constraint")
+                .count()
+        });
+    let rps = seeds["requests_per_s"].as_f64().unwrap();
+    let p99 = seeds["latency_ms"]["p99"].as_f64().unwrap();
+    let e2e_rate = e2e["issues_per_s"].as_f64().unwrap();
+    let rss_mb = idle["vm_rss_mb"].as_f64();
+    let report = json!({
+        "benchmark": "HTTP claims and the pipeline end to end",
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "durable": durable,
+        "idle_rss": idle,
+        "seeds_workload_http": seeds,
+        "direct_claims": { "claim_issues": direct, "claimer_group_commit": grouped },
+        "end_to_end_two_instances": e2e,
+        "unique_violations_in_server_log": unique_violations,
+        "total_seconds": round1(started.elapsed().as_secs_f64()),
+        "targets": {
+            "http_at_least_6000_requests_per_s_with_p99_at_most_10_ms": rps >= 6000.0 && p99 <= 10.0,
+            "end_to_end_at_least_2000_issues_per_s_two_instances": e2e_rate >= 2000.0,
+            "idle_rss_at_most_30_mb": rss_mb.map(|mb| mb <= 30.0),
+        }
+    });
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    drop(admin);
+    tokio::task::spawn_blocking(move || drop(cluster))
+        .await
+        .unwrap();
+}
+
+/// Starts `newsnack serve` as a child, waits until it is ready, lets it
+/// idle, and reads its memory figures.
+async fn idle_rss(url: &str, idle: Duration) -> serde_json::Value {
+    let binary = env!("CARGO_BIN_EXE_newsnack");
+    let mut child = Command::new(binary)
+        .arg("serve")
+        .env("DATABASE_URL", url)
+        .env("NEWSNACK_LISTEN", "127.0.0.1:0")
+        .env("NEWSNACK_INSTANCE", "idle")
+        .env("RUST_LOG", "warn")
+        .env_remove("NEWSNACK_LLM_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run target/release/newsnack");
+    let pid = child.id();
+    let stdout = child.stdout.take().unwrap();
+    // The binary prints its address once it is listening.
+    let (addr, lines) = tokio::task::spawn_blocking(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        loop {
+            let line = lines.next().expect("serve printed its address").unwrap();
+            if let Some(rest) = line.strip_prefix("newsnack serving on http://") {
+                break (rest.trim().parse::<SocketAddr>().unwrap(), lines);
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let http = reqwest::Client::new();
+    let mut ready = None;
+    for _ in 0..100 {
+        let answer = http
+            .get(format!("http://{addr}/readyz"))
+            .send()
+            .await
+            .unwrap();
+        if answer.status().is_success() {
+            ready = Some(answer.json::<serde_json::Value>().await.unwrap());
+            break;
+        }
+        // Readiness is a probe, not an event: ask again shortly.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(http);
+    tokio::time::sleep(idle).await;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let threads = proc_field(&status, "Threads:");
+    let rss = proc_field(&status, "VmRSS:");
+    let hwm = proc_field(&status, "VmHWM:");
+    let pss = proc_field(&rollup, "Pss:");
+    // SAFETY: sends SIGTERM to the child started above.
+    unsafe {
+        libc::kill(pid as i32, libc::SIGTERM);
+    }
+    let exited = tokio::task::spawn_blocking(move || {
+        drop(lines);
+        child.wait()
+    })
+    .await
+    .unwrap();
+    json!({
+        "what": "newsnack serve (release binary, separate process, offline writer), idle after /readyz",
+        "ready": ready,
+        "idle_seconds": idle.as_secs(),
+        "vm_rss_mb": rss.map(kb_to_mb),
+        "vm_hwm_mb": hwm.map(kb_to_mb),
+        "pss_mb": pss.map(kb_to_mb),
+        "threads": threads,
+        "exited_cleanly_on_sigterm": exited.map(|s| s.success()).unwrap_or(false),
+        "bench_process_rss_mb_for_reference": proc_field(
+            &std::fs::read_to_string("/proc/self/status").unwrap_or_default(),
+            "VmRSS:"
+        ).map(kb_to_mb),
+    })
+}
+
+/// A `Field:   123 kB` value from a /proc file, in kB (or a plain count).
+fn proc_field(text: &str, field: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
+fn kb_to_mb(kb: u64) -> f64 {
+    round1(kb as f64 / 1024.0)
+}
+
+/// Windows of 5 consecutive ids advancing by 2 (the last ones shorter), so
+/// every id is in two or three windows.
+fn windows(ids: &[i64]) -> Vec<Vec<i64>> {
+    (0..ids.len())
+        .step_by(STEP)
+        .map(|s| ids[s..(s + WINDOW).min(ids.len())].to_vec())
+        .collect()
+}
+
+async fn bench_pool(url: &str, size: usize) -> DbPool {
+    let config = db::pg_config(url, "newsnack-bench").unwrap();
+    let mut migrator = db::connect(&config).await.unwrap();
+    db::migrate::migrate(&mut migrator).await.unwrap();
+    db::pool(
+        config,
+        &PoolOptions {
+            max_size: size,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+async fn add_issues(pool: &DbPool, n: usize) -> Vec<i64> {
+    let client = pool.get().await.unwrap();
+    let new: Vec<NewIssue> = (0..n)
+        .map(|i| NewIssue {
+            title: format!("Bench issue {i}"),
+            body: format!(
+                "Something happened for the {i}th time. Officials said more would follow."
+            ),
+            score: i as f64,
+            collected_at: None,
+        })
+        .collect();
+    let mut ids = Vec::with_capacity(n);
+    for chunk in new.chunks(1000) {
+        ids.extend(insert_issues(&client, chunk).await.unwrap());
+    }
+    ids
+}
+
+async fn start_service(url: &str, instance: &str) -> RunningService {
+    newsnack::serve::start(
+        ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            database_url: Some(url.into()),
+            instance: instance.into(),
+            pool_size: SERVICE_POOL,
+            grace: Duration::from_secs(5),
+            api_token: None,
+        },
+        Arc::new(OfflineWriter) as SharedWriter,
+    )
+    .await
+    .expect("start the service")
+}
+
+async fn last_seq(pool: &DbPool) -> i64 {
+    scalar(pool, "SELECT COALESCE(max(seq), 0) FROM issue_transition").await
+}
+
+async fn scalar(pool: &DbPool, sql: &str) -> i64 {
+    pool.get()
+        .await
+        .unwrap()
+        .query_one(sql, &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Waits until `want` transitions into `DONE` after `after_seq` have been
+/// seen on the gapless stream; returns when the last one arrived.
+async fn wait_for_done(hub: &TransitionHub, after_seq: i64, want: usize) -> Instant {
+    let mut stream = hub.stream_after(after_seq, None);
+    let mut seen = 0;
+    let wait = async {
+        while seen < want {
+            if stream.next().await.expect("transition stream").to == Status::Done {
+                seen += 1;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), wait)
+        .await
+        .unwrap_or_else(|_| panic!("only {seen} of {want} issues became DONE in 120 s"));
+    Instant::now()
+}
+
+fn reqwest_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap()
+}
+
+/// One client and what it will post: (URL, ids) per request, in order.
+type Plan = (reqwest::Client, Vec<(String, Vec<i64>)>);
+
+#[derive(serde::Deserialize)]
+struct ClaimAnswer {
+    #[serde(default)]
+    claimed: Vec<i64>,
+}
+
+#[derive(Default)]
+struct ClientTally {
+    latencies_ms: Vec<f64>,
+    statuses: HashMap<u16, u64>,
+    claimed: Vec<i64>,
+}
+
+/// Posts each of `requests` (an id list and the instance to send it to) in
+/// order, timing each request.
+async fn post_all(http: reqwest::Client, requests: Vec<(String, Vec<i64>)>) -> ClientTally {
+    let mut tally = ClientTally {
+        latencies_ms: Vec::with_capacity(requests.len()),
+        ..ClientTally::default()
+    };
+    for (url, ids) in requests {
+        let sent = Instant::now();
+        let response = http
+            .post(&url)
+            .json(&json!({ "issue_ids": ids }))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let body = response.bytes().await.unwrap();
+        tally
+            .latencies_ms
+            .push(sent.elapsed().as_secs_f64() * 1000.0);
+        *tally.statuses.entry(status).or_default() += 1;
+        if status == 202 {
+            let answer: ClaimAnswer = serde_json::from_slice(&body).unwrap();
+            tally.claimed.extend(answer.claimed);
+        }
+    }
+    tally
+}
+
+/// Runs one request list per client, all starting together; returns the
+/// merged tallies and the wall time from the start to the last answer.
+async fn run_clients(plans: Vec<Plan>) -> (ClientTally, Instant, Instant) {
+    let start = Arc::new(Barrier::new(plans.len() + 1));
+    let mut tasks = Vec::new();
+    for (http, requests) in plans {
+        let start = start.clone();
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            post_all(http, requests).await
+        }));
+    }
+    start.wait().await;
+    let began = Instant::now();
+    let mut all = ClientTally::default();
+    for task in tasks {
+        let tally = task.await.unwrap();
+        all.latencies_ms.extend(tally.latencies_ms);
+        for (status, n) in tally.statuses {
+            *all.statuses.entry(status).or_default() += n;
+        }
+        all.claimed.extend(tally.claimed);
+    }
+    (all, began, Instant::now())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((sorted.len() - 1) as f64 * p).round() as usize;
+    round3(sorted[rank])
+}
+
+fn claimed_twice(claimed: &[i64]) -> usize {
+    let mut counts: HashMap<i64, usize> = HashMap::new();
+    for &id in claimed {
+        *counts.entry(id).or_default() += 1;
+    }
+    counts.values().filter(|&&n| n > 1).count()
+}
+
+/// Every issue's article count, attempts and status, as checks.
+async fn integrity(pool: &DbPool) -> serde_json::Value {
+    json!({
+        "issues": scalar(pool, "SELECT count(*) FROM issue").await,
+        "done": scalar(pool, "SELECT count(*) FROM issue WHERE processing_status = 'DONE'").await,
+        "articles": scalar(pool, "SELECT count(*) FROM ai_article").await,
+        "issues_with_more_than_one_article": scalar(
+            pool,
+            "SELECT count(*) FROM (SELECT issue_id FROM ai_article GROUP BY issue_id HAVING count(*) > 1) d"
+        ).await,
+        "issues_attempted_more_than_once": scalar(pool, "SELECT count(*) FROM issue WHERE attempts > 1").await,
+        // A failed ai_article insert (e.g. a unique violation) burns an id.
+        "failed_article_inserts": scalar(
+            pool,
+            "SELECT (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM ai_article_id_seq)
+                    - (SELECT count(*) FROM ai_article)"
+        ).await,
+    })
+}
+
+async fn seeds_over_http(url: &str, issues: usize, clients: usize) -> serde_json::Value {
+    let pool = bench_pool(url, 4).await;
+    let ids = add_issues(&pool, issues).await;
+    let service = start_service(url, "bench-seeds").await;
+    let endpoint = format!("http://{}/ai-articles", service.addr);
+    let windows = windows(&ids);
+    let mut plans = Vec::new();
+    for c in 0..clients {
+        let http = reqwest_client();
+        // Open the keep-alive connection before the clock starts.
+        http.get(format!("http://{}/healthz", service.addr))
+            .send()
+            .await
+            .unwrap();
+        let first = c * windows.len() / clients;
+        let requests = (0..windows.len())
+            .map(|k| {
+                (
+                    endpoint.clone(),
+                    windows[(first + k) % windows.len()].clone(),
+                )
+            })
+            .collect();
+        plans.push((http, requests));
+    }
+    let seq = last_seq(&pool).await;
+    let (mut tally, began, finished) = run_clients(plans).await;
+    let elapsed = finished - began;
+    let distinct: std::collections::BTreeSet<i64> = tally.claimed.iter().copied().collect();
+    wait_for_done(&service.hub, seq, distinct.len()).await;
+    tally.latencies_ms.sort_by(f64::total_cmp);
+    let requests = tally.latencies_ms.len();
+    let count = |s: u16| tally.statuses.get(&s).copied().unwrap_or(0);
+    let other: u64 = tally
+        .statuses
+        .iter()
+        .filter(|(s, _)| **s != 202 && **s != 409)
+        .map(|(_, n)| n)
+        .sum();
+    let checks = integrity(&pool).await;
+    service.stop().await.unwrap();
+    json!({
+        "issues": issues,
+        "clients": clients,
+        "requests": requests,
+        "seconds": round3(elapsed.as_secs_f64()),
+        "requests_per_s": round1(requests as f64 / elapsed.as_secs_f64()),
+        "latency_ms": {
+            "p50": percentile(&tally.latencies_ms, 0.50),
+            "p90": percentile(&tally.latencies_ms, 0.90),
+            "p99": percentile(&tally.latencies_ms, 0.99),
+            "max": percentile(&tally.latencies_ms, 1.0),
+        },
+        "status_202": count(202),
+        "status_409": count(409),
+        "status_other": other,
+        "issues_claimed": distinct.len(),
+        "ids_claimed_twice": claimed_twice(&tally.claimed),
+        "duplicates": checks["issues_with_more_than_one_article"],
+        "checks_after_all_done": checks,
+    })
+}
+
+async fn direct_claims(
+    url: &str,
+    issues: usize,
+    clients: usize,
+    grouped: bool,
+) -> serde_json::Value {
+    let pool = bench_pool(url, clients + 4).await;
+    let ids = add_issues(&pool, issues).await;
+    let windows = Arc::new(windows(&ids));
+    let claimer = Claimer::start(pool.clone(), "bench-direct".into(), 2);
+    let start = Arc::new(Barrier::new(clients + 1));
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (pool, windows, start, claimer) = (
+            pool.clone(),
+            windows.clone(),
+            start.clone(),
+            claimer.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let client = pool.get().await.unwrap();
+            let first = c * windows.len() / clients;
+            let mut won = Vec::new();
+            start.wait().await;
+            for k in 0..windows.len() {
+                let window = &windows[(first + k) % windows.len()];
+                let outcome = if grouped {
+                    claimer
+                        .claim(window.clone(), LEASE, ClaimScope::Claimable)
+                        .await
+                } else {
+                    claim_issues(
+                        &client,
+                        window,
+                        "bench-direct",
+                        LEASE,
+                        ClaimScope::Claimable,
+                    )
+                    .await
+                };
+                won.extend(outcome.unwrap().claimed_ids());
+            }
+            won
+        }));
+    }
+    start.wait().await;
+    let began = Instant::now();
+    let mut won = Vec::new();
+    for task in tasks {
+        won.extend(task.await.unwrap());
+    }
+    let elapsed = began.elapsed().as_secs_f64();
+    let requests = clients * windows.len();
+    json!({
+        "path": if grouped { "Claimer (shared transactions, group commit)" } else { "claim_issues, one statement per transaction" },
+        "tasks": clients,
+        "claim_requests": requests,
+        "seconds": round3(elapsed),
+        "claim_requests_per_s": round1(requests as f64 / elapsed),
+        "issues_claimed": won.len(),
+        "issues_claimed_per_s": round1(won.len() as f64 / elapsed),
+        "ids_claimed_twice": claimed_twice(&won),
+    })
+}
+
+async fn two_instances(
+    url: &str,
+    issues: usize,
+    clients: usize,
+    batch: usize,
+) -> serde_json::Value {
+    let pool = bench_pool(url, 4).await;
+    let ids = add_issues(&pool, issues).await;
+    let a = start_service(url, "bench-a").await;
+    let b = start_service(url, "bench-b").await;
+    let endpoints = [
+        format!("http://{}/ai-articles", a.addr),
+        format!("http://{}/ai-articles", b.addr),
+    ];
+    // Batch k goes to client k % clients; client c talks to instance c % 2.
+    let mut plans: Vec<Plan> = Vec::new();
+    for c in 0..clients {
+        let http = reqwest_client();
+        http.get(endpoints[c % 2].replace("/ai-articles", "/healthz"))
+            .send()
+            .await
+            .unwrap();
+        plans.push((http, Vec::new()));
+    }
+    for (k, chunk) in ids.chunks(batch).enumerate() {
+        let c = k % clients;
+        plans[c].1.push((endpoints[c % 2].clone(), chunk.to_vec()));
+    }
+    let seq = last_seq(&pool).await;
+    let hub = a.hub.clone();
+    let done = tokio::spawn(async move { wait_for_done(&hub, seq, issues).await });
+    let (tally, began, requests_done) = run_clients(plans).await;
+    let all_done = done.await.unwrap();
+    let elapsed = (all_done - began).as_secs_f64();
+    let checks = integrity(&pool).await;
+    let per_instance: Vec<i64> = {
+        let client = pool.get().await.unwrap();
+        let mut counts = Vec::new();
+        for name in ["bench-a", "bench-b"] {
+            counts.push(
+                client
+                    .query_one("SELECT count(*) FROM issue WHERE claimed_by = $1", &[&name])
+                    .await
+                    .unwrap()
+                    .get(0),
+            );
+        }
+        counts
+    };
+    let gen_concurrency = scalar(
+        &pool,
+        "SELECT value::bigint FROM setting WHERE key = 'generation_concurrency'",
+    )
+    .await;
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+    json!({
+        "issues": issues,
+        "clients": clients,
+        "batch": batch,
+        "requests": tally.latencies_ms.len(),
+        "status_202": tally.statuses.get(&202).copied().unwrap_or(0),
+        "status_other": tally.statuses.iter().filter(|(s, _)| **s != 202).map(|(_, n)| n).sum::<u64>(),
+        "generation_concurrency_per_instance": gen_concurrency,
+        "requests_seconds": round3((requests_done - began).as_secs_f64()),
+        "seconds_to_all_done": round3(elapsed),
+        "issues_per_s": round1(issues as f64 / elapsed),
+        "done_by_instance": { "bench-a": per_instance[0], "bench-b": per_instance[1] },
+        "ids_claimed_twice": claimed_twice(&tally.claimed),
+        "checks_after_all_done": checks,
+    })
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}

@@ -1,0 +1,447 @@
+//! Benchmark: `GET /events` fan-out. Prints one JSON object on stdout.
+//!
+//! A throwaway cluster with default durability; the whole service runs in
+//! this process (offline writer). `BENCH_SSE_CLIENTS` (default 200) SSE
+//! clients connect, live, from a *separate client process* (this binary
+//! re-run with `NEWSNACK_SSE_BENCH_URL` set), so this process's `VmRSS` is
+//! the service's own: read before the clients connect, once all are open,
+//! and after the traffic. Then transitions are committed from a separate
+//! connection at `BENCH_SSE_RATE` per second (default 1,000) for
+//! `BENCH_SSE_SECONDS` (default 10): raw `UPDATE issue SET
+//! processing_status = ..` (`PENDING → IN_PROGRESS`, then `IN_PROGRESS →
+//! DONE`), paced on a 1 ms tick, each tick's due transitions in one
+//! transaction (one, unless the writer fell behind).
+//!
+//! Latency, for every (client, event) pair: the client's receive time minus
+//! the transition's `at`, which the database stamps with `clock_timestamp()`
+//! in the commit-time trigger (same machine, same clock). It therefore
+//! includes the commit itself (WAL flush) on top of NOTIFY → listener → hub
+//! → SSE → client; the writer's commit round trips are reported next to it.
+//! The client process checks that every client received every transition
+//! from its start on, exactly once and in order.
+//!
+//! `cargo bench --bench sse`; about 30 s. Clients, service and PostgreSQL
+//! share the machine's cores.
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::serve::ServeOptions;
+use newsnack::writer::{OfflineWriter, SharedWriter};
+use serde_json::json;
+use time::format_description::well_known::Rfc3339;
+use time::OffsetDateTime;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::Command;
+use tokio::sync::watch;
+
+/// Set in the client process: the events URL to open.
+const CHILD_URL: &str = "NEWSNACK_SSE_BENCH_URL";
+const CHILD_CLIENTS: &str = "NEWSNACK_SSE_BENCH_CLIENTS";
+/// The most transitions one paced transaction carries.
+const MAX_BATCH: u64 = 50;
+
+fn knob(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    match std::env::var(CHILD_URL) {
+        Ok(url) => runtime.block_on(clients(url, knob(CHILD_CLIENTS, 200) as usize)),
+        Err(_) => runtime.block_on(bench()),
+    }
+}
+
+async fn bench() {
+    let clients = knob("BENCH_SSE_CLIENTS", 200) as usize;
+    let rate = knob("BENCH_SSE_RATE", 1000).max(1);
+    let seconds = knob("BENCH_SSE_SECONDS", 10).max(1);
+    let started = Instant::now();
+
+    let cluster = tokio::task::spawn_blocking(|| {
+        EmbeddedPostgres::start(&EmbeddedOptions {
+            durable: true,
+            settings: vec![("max_connections".into(), "100".into())],
+        })
+    })
+    .await
+    .unwrap()
+    .expect("start a throwaway cluster");
+    let admin = connect(&cluster.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE sse").await.unwrap();
+    let url = cluster.url("sse");
+    let service = newsnack::serve::start(
+        ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            database_url: Some(url.clone()),
+            instance: "sse-bench".into(),
+            pool_size: 16,
+            grace: Duration::from_secs(5),
+            api_token: None,
+        },
+        Arc::new(OfflineWriter) as SharedWriter,
+    )
+    .await
+    .expect("start the service");
+
+    // The issues the writer will move: each gives two transitions.
+    let total = rate * seconds;
+    let issue_count = total.div_ceil(2) as i32;
+    let writer = connect(&url).await;
+    let mut ids: Vec<i64> = Vec::new();
+    while (ids.len() as i32) < issue_count {
+        let n = (issue_count - ids.len() as i32).min(1000);
+        ids.extend(
+            writer
+                .query(
+                    "INSERT INTO issue (title, body, score)
+                     SELECT 'sse ' || g, 'body', g FROM generate_series(1, $1::int) g
+                     RETURNING id",
+                    &[&n],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, i64>(0)),
+        );
+    }
+    let loaded: i64 = writer
+        .query_one("SELECT max(seq) FROM issue_transition", &[])
+        .await
+        .unwrap()
+        .get(0);
+    until_published(&service.hub, loaded).await;
+    let baseline = service.hub.subscriber_count();
+    let rss_before = rss_kib(None);
+
+    // The clients, in a process of their own.
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env(CHILD_URL, format!("http://{}/events", service.addr))
+        .env(CHILD_CLIENTS, clients.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the client process");
+    let child_pid = child.id();
+    let mut child_out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut child_in = child.stdin.take().unwrap();
+    let ready = tokio::time::timeout(Duration::from_secs(60), child_out.next_line())
+        .await
+        .expect("the clients to connect in time")
+        .unwrap();
+    assert_eq!(ready.as_deref(), Some("ready"), "the client process failed");
+    let open = service.hub.subscriber_count() - baseline;
+    assert!(
+        open >= clients,
+        "{open} hub receivers for {clients} clients"
+    );
+    let rss_open = rss_kib(None);
+
+    // Paced writes: transition k moves issue k mod N to its next status
+    // (`PENDING → IN_PROGRESS` on the first pass, `→ DONE` on the second).
+    let step = writer
+        .prepare(
+            "UPDATE issue SET processing_status =
+                    CASE processing_status WHEN 'PENDING' THEN 'IN_PROGRESS' ELSE 'DONE' END
+              WHERE id = ANY($1)",
+        )
+        .await
+        .unwrap();
+    let planned = 2 * ids.len() as u64;
+    let mut commit_us: Vec<u64> = Vec::new();
+    let mut sent = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let writing = Instant::now();
+    let deadline = Duration::from_secs(seconds) + Duration::from_secs(2);
+    while sent < planned && writing.elapsed() < deadline {
+        tick.tick().await;
+        let due = ((writing.elapsed().as_secs_f64() * rate as f64) as u64).min(planned);
+        if due <= sent {
+            continue;
+        }
+        // Usually one; more only when the writer fell behind (a batch never
+        // holds one issue twice: N is far larger than MAX_BATCH).
+        let batch: Vec<i64> = (sent..due.min(sent + MAX_BATCH))
+            .map(|k| ids[(k % ids.len() as u64) as usize])
+            .collect();
+        let t0 = Instant::now();
+        let moved = writer.execute(&step, &[&batch]).await.unwrap();
+        commit_us.push(t0.elapsed().as_micros() as u64);
+        assert_eq!(moved as usize, batch.len());
+        sent += batch.len() as u64;
+    }
+    let write_seconds = writing.elapsed().as_secs_f64();
+    let last: i64 = writer
+        .query_one("SELECT max(seq) FROM issue_transition", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let committed = (last - loaded) as u64;
+    let rss_after = rss_kib(None);
+    let rss_hwm = hwm_kib();
+
+    // Tell the clients where the end is; collect their report.
+    child_in
+        .write_all(format!("{last}\n").as_bytes())
+        .await
+        .unwrap();
+    child_in.flush().await.unwrap();
+    let line = tokio::time::timeout(Duration::from_secs(120), child_out.next_line())
+        .await
+        .expect("the clients to finish")
+        .unwrap()
+        .expect("the client report");
+    let client_report: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let _ = child.wait().await;
+
+    commit_us.sort_unstable();
+    let p99_ms = client_report["latency_ms"]["p99"]
+        .as_f64()
+        .unwrap_or(f64::MAX);
+    let rate_achieved = committed as f64 / write_seconds;
+    let growth_open = rss_open - rss_before;
+    let report = json!({
+        "benchmark": "GET /events fan-out: commit-to-event latency and memory",
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "durable": true,
+        "clients": clients,
+        "client_process_pid": child_pid,
+        "target_transitions_per_s": rate,
+        "write_seconds": round3(write_seconds),
+        "transitions_committed": committed,
+        "transactions": commit_us.len(),
+        "transitions_per_s": round1(rate_achieved),
+        "commit_round_trip_ms": {
+            "p50": percentile_ms(&commit_us, 50.0),
+            "p99": percentile_ms(&commit_us, 99.0),
+            "max": commit_us.last().map(|&us| us as f64 / 1000.0),
+        },
+        "deliveries": client_report["pairs"],
+        "deliveries_per_s": round1(client_report["pairs"].as_f64().unwrap_or(0.0) / write_seconds),
+        "every_client_got_every_transition_once_in_order": client_report["complete"],
+        "latency_ms": client_report["latency_ms"],
+        "service_rss_kib": {
+            "before_clients": rss_before,
+            "with_clients_open": rss_open,
+            "after_traffic": rss_after,
+            "peak_vm_hwm": rss_hwm,
+            "growth_with_clients_open": growth_open,
+            "growth_after_traffic": rss_after - rss_before,
+            "per_client_open": round1(growth_open as f64 / clients as f64),
+        },
+        "client_process_rss_kib": client_report["rss_kib"],
+        "total_seconds": round1(started.elapsed().as_secs_f64()),
+        "targets": {
+            "rss_growth_for_200_clients_at_most_20_mb": growth_open <= 20 * 1024,
+            "p99_at_most_10_ms_at_1000_transitions_per_s": p99_ms <= 10.0 && rate_achieved >= 0.95 * 1000.0,
+        },
+    });
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    service.stop().await.unwrap();
+    drop(writer);
+    drop(admin);
+    tokio::task::spawn_blocking(move || drop(cluster))
+        .await
+        .unwrap();
+}
+
+/// The client process: opens `n` streams, says `ready`, reads until the
+/// `seq` given on stdin, prints one JSON line.
+async fn clients(url: String, n: usize) {
+    let http = reqwest::Client::new();
+    let responses = futures::future::join_all((0..n).map(|_| http.get(&url).send())).await;
+    let (final_tx, final_rx) = watch::channel(i64::MAX);
+    let mut tasks = Vec::new();
+    for response in responses {
+        let response = response.expect("open the event stream");
+        assert_eq!(response.status(), 200);
+        let mut final_rx = final_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut response = response;
+            let mut client = ClientStats::default();
+            let mut buf: Vec<u8> = Vec::new();
+            loop {
+                if client.last.is_some_and(|s| s >= *final_rx.borrow()) {
+                    return client;
+                }
+                tokio::select! {
+                    chunk = response.chunk() => {
+                        let Some(chunk) = chunk.expect("read the stream") else {
+                            client.ended_early = true;
+                            return client;
+                        };
+                        let received = OffsetDateTime::now_utc();
+                        buf.extend_from_slice(&chunk);
+                        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                            client.event(&buf[..end], received);
+                            buf.drain(..end + 2);
+                        }
+                    }
+                    _ = final_rx.changed() => {}
+                }
+            }
+        }));
+    }
+    println!("ready");
+    std::io::stdout().flush().unwrap();
+
+    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+    let last: i64 = stdin
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the final seq on stdin")
+        .trim()
+        .parse()
+        .unwrap();
+    final_tx.send_replace(last);
+
+    let mut latencies: Vec<u64> = Vec::new();
+    let mut complete = true;
+    for task in tasks {
+        let client = tokio::time::timeout(Duration::from_secs(90), task)
+            .await
+            .expect("a client to finish")
+            .unwrap();
+        complete &= !client.ended_early
+            && client.out_of_order == 0
+            && client.last == Some(last)
+            && client.other_events == 0;
+        latencies.extend(client.latencies_us);
+    }
+    latencies.sort_unstable();
+    let report = json!({
+        "pairs": latencies.len(),
+        "complete": complete,
+        "latency_ms": {
+            "p50": percentile_ms(&latencies, 50.0),
+            "p99": percentile_ms(&latencies, 99.0),
+            "p999": percentile_ms(&latencies, 99.9),
+            "max": latencies.last().map(|&us| us as f64 / 1000.0),
+        },
+        "rss_kib": rss_kib(None),
+    });
+    println!("{report}");
+    std::io::stdout().flush().unwrap();
+}
+
+/// What one client saw.
+#[derive(Default)]
+struct ClientStats {
+    last: Option<i64>,
+    /// Events whose `seq` was not the previous one plus one.
+    out_of_order: u64,
+    other_events: u64,
+    ended_early: bool,
+    latencies_us: Vec<u64>,
+}
+
+impl ClientStats {
+    /// One event block (`id:`, `event:`, `data:` lines).
+    fn event(&mut self, block: &[u8], received: OffsetDateTime) {
+        let text = std::str::from_utf8(block).expect("UTF-8 events");
+        let (mut seq, mut at, mut transition) = (None, None, false);
+        for line in text.split('\n') {
+            if let Some(id) = line.strip_prefix("id: ") {
+                seq = id.parse::<i64>().ok();
+            } else if line == "event: transition" {
+                transition = true;
+            } else if let Some(data) = line.strip_prefix("data: ") {
+                at = data
+                    .split_once("\"at\":\"")
+                    .and_then(|(_, rest)| rest.split_once('"'))
+                    .and_then(|(stamp, _)| OffsetDateTime::parse(stamp, &Rfc3339).ok());
+            }
+        }
+        if !transition {
+            // Keep-alive comments have no fields; anything else is wrong.
+            if seq.is_some() || at.is_some() || text.lines().any(|l| !l.starts_with(':')) {
+                self.other_events += 1;
+            }
+            return;
+        }
+        let (Some(seq), Some(at)) = (seq, at) else {
+            self.other_events += 1;
+            return;
+        };
+        if self.last.is_some_and(|last| seq != last + 1) {
+            self.out_of_order += 1;
+        }
+        self.last = Some(seq);
+        let latency = (received - at).whole_microseconds().max(0);
+        self.latencies_us.push(latency as u64);
+    }
+}
+
+/// Waits until the listener has published `seq`.
+async fn until_published(hub: &newsnack::listener::TransitionHub, seq: i64) {
+    let status = hub.status();
+    let mut live = hub.subscribe();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while status.borrow().last_seq < seq {
+            let _ = live.recv().await;
+        }
+    })
+    .await
+    .expect("the listener to publish the setup");
+}
+
+/// `VmRSS` of this process, in KiB.
+fn rss_kib(pid: Option<u32>) -> i64 {
+    status_field(pid, "VmRSS:")
+}
+
+fn hwm_kib() -> i64 {
+    status_field(None, "VmHWM:")
+}
+
+fn status_field(pid: Option<u32>, field: &str) -> i64 {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/status"),
+        None => "/proc/self/status".into(),
+    };
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(-1)
+}
+
+/// The `p`th percentile of sorted microseconds, in milliseconds.
+fn percentile_ms(sorted_us: &[u64], p: f64) -> Option<f64> {
+    if sorted_us.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted_us.len() as f64).ceil() as usize;
+    let us = sorted_us[rank.clamp(1, sorted_us.len()) - 1];
+    Some(round3(us as f64 / 1000.0))
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}

@@ -1,0 +1,179 @@
+//! The dashboard's snapshot: counts per status, the claims in flight, the
+//! newest transitions, recent pipeline runs, the latest briefing and the log
+//! position they all reflect, read in one `REPEATABLE READ` snapshot.
+//!
+//! Because a transition's log row is written in the transaction that makes
+//! the change, and `seq` is allocated in commit order, the rows read here
+//! reflect exactly the transitions up to `last_seq`: a page that applies the
+//! live stream from `seq > last_seq` on top of these counts neither misses
+//! nor double-counts a change.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use time::OffsetDateTime;
+
+use super::briefing::{self, Briefing};
+use super::pipeline_run::{self, RunView};
+use super::DbError;
+use crate::status::Status;
+
+/// How many in-flight claims, transitions and runs a snapshot carries.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub in_flight: i64,
+    pub transitions: i64,
+    pub runs: i64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            in_flight: 50,
+            transitions: 50,
+            runs: 10,
+        }
+    }
+}
+
+/// An issue currently `IN_PROGRESS`, with its claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InFlight {
+    pub id: i64,
+    pub title: String,
+    pub claimed_by: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub lease_until: Option<OffsetDateTime>,
+    pub attempts: i32,
+    /// When it entered `IN_PROGRESS` (its last update).
+    #[serde(with = "time::serde::rfc3339")]
+    pub since: OffsetDateTime,
+}
+
+/// One row of the transition log, with its issue's title.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RecentTransition {
+    pub seq: i64,
+    pub issue_id: i64,
+    pub title: Option<String>,
+    pub from: Option<Status>,
+    pub to: Status,
+    #[serde(with = "time::serde::rfc3339")]
+    pub at: OffsetDateTime,
+    pub attempts: i32,
+    pub fatal: bool,
+    pub reason: Option<String>,
+}
+
+/// Everything the dashboard shows, as of one log position.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Snapshot {
+    /// Every status, zeros included.
+    pub counts: BTreeMap<Status, i64>,
+    /// Soonest lease deadline first.
+    pub in_flight: Vec<InFlight>,
+    /// Newest first.
+    pub transitions: Vec<RecentTransition>,
+    /// Newest first.
+    pub runs: Vec<RunView>,
+    pub briefing: Option<Briefing>,
+    /// The newest `seq` reflected in all of the above (0: an empty log).
+    pub last_seq: i64,
+    /// The server's clock, so a page can count leases down without trusting
+    /// its own.
+    #[serde(with = "time::serde::rfc3339")]
+    pub now: OffsetDateTime,
+}
+
+fn status(text: String) -> Result<Status, DbError> {
+    text.parse().map_err(|e| DbError::Invalid(format!("{e}")))
+}
+
+/// Reads the snapshot in one read-only `REPEATABLE READ` transaction.
+pub async fn snapshot(
+    client: &mut deadpool_postgres::Client,
+    limits: Limits,
+) -> Result<Snapshot, DbError> {
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await?;
+
+    // The first statement fixes the snapshot; the log position and the
+    // clock come with it.
+    let head = tx
+        .query_one(
+            "SELECT (SELECT COALESCE(max(seq), 0) FROM issue_transition), now()",
+            &[],
+        )
+        .await?;
+    let last_seq: i64 = head.get(0);
+    let now: OffsetDateTime = head.get(1);
+
+    let counts = super::issue::count_by_status(&tx)
+        .await?
+        .into_iter()
+        .collect();
+
+    let in_flight = tx
+        .query(
+            "SELECT id, title, claimed_by, lease_until, attempts, updated_at
+               FROM issue WHERE processing_status = 'IN_PROGRESS'
+              ORDER BY lease_until NULLS LAST, id
+              LIMIT $1",
+            &[&limits.in_flight],
+        )
+        .await?
+        .iter()
+        .map(|r| InFlight {
+            id: r.get(0),
+            title: r.get(1),
+            claimed_by: r.get(2),
+            lease_until: r.get(3),
+            attempts: r.get(4),
+            since: r.get(5),
+        })
+        .collect();
+
+    let transitions = tx
+        .query(
+            "SELECT t.seq, t.issue_id, i.title, t.from_status, t.to_status, t.at, t.attempts,
+                    t.fatal, t.reason
+               FROM issue_transition t LEFT JOIN issue i ON i.id = t.issue_id
+              ORDER BY t.seq DESC
+              LIMIT $1",
+            &[&limits.transitions],
+        )
+        .await?
+        .into_iter()
+        .map(|r| {
+            Ok(RecentTransition {
+                seq: r.get(0),
+                issue_id: r.get(1),
+                title: r.get(2),
+                from: r.get::<_, Option<String>>(3).map(status).transpose()?,
+                to: status(r.get(4))?,
+                at: r.get(5),
+                attempts: r.get(6),
+                fatal: r.get(7),
+                reason: r.get(8),
+            })
+        })
+        .collect::<Result<_, DbError>>()?;
+
+    let runs = pipeline_run::recent(&tx, limits.runs).await?;
+    let briefing = briefing::get(&tx, None).await?;
+    tx.commit().await?;
+
+    Ok(Snapshot {
+        counts,
+        in_flight,
+        transitions,
+        runs,
+        briefing,
+        last_seq,
+        now,
+    })
+}

@@ -1,0 +1,1083 @@
+//! The HTTP API against its contract, over a real socket: a table of bad
+//! input for every endpoint (each answered 4xx with `{"error": ".."}`, and
+//! the database left exactly as it was); a storm of 32 clients posting
+//! overlapping `POST /ai-articles` windows (every issue claimed once,
+//! written once, attempted once); fencing of a late worker whose lease was
+//! reaped and whose issue was re-claimed (library level, with the reaper's
+//! compare-and-set); and the shape of `GET /issues/{id}`, `/healthz` and
+//! `/readyz`.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use common::{until_sql, within, TestDb};
+use newsnack::db::issue::{
+    claim_issues, complete, fail, heartbeat, reap_expired, ClaimScope, Fenced, RetryPolicy,
+};
+use newsnack::writer::{OfflineWriter, SharedWriter};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::Barrier;
+
+fn offline() -> SharedWriter {
+    Arc::new(OfflineWriter) as SharedWriter
+}
+
+/// Sends one request; returns the status and the body parsed as JSON. Fails
+/// the test if the answer is not JSON (by header and by content), or is a
+/// 405 without the `Allow` header HTTP requires.
+async fn send(
+    http: &reqwest::Client,
+    method: Method,
+    url: &str,
+    content_type: Option<&str>,
+    body: Option<Vec<u8>>,
+) -> (StatusCode, Value) {
+    let mut request = http.request(method.clone(), url);
+    if let Some(content_type) = content_type {
+        request = request.header(reqwest::header::CONTENT_TYPE, content_type);
+    }
+    if let Some(body) = body {
+        request = request.body(body);
+    }
+    let response = request
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{method} {url}: no response: {e}"));
+    let status = response.status();
+    let content_type = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        content_type.starts_with("application/json"),
+        "{method} {url} answered {status} as {content_type:?}"
+    );
+    if status == StatusCode::METHOD_NOT_ALLOWED {
+        assert!(
+            response.headers().contains_key(reqwest::header::ALLOW),
+            "{method} {url}: 405 without Allow"
+        );
+    }
+    let text = response.text().await.unwrap();
+    let value = serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!("{method} {url} answered {status} with non-JSON ({e}): {text:?}")
+    });
+    (status, value)
+}
+
+/// Everything a request could have changed: row counts, the log's end, and
+/// every issue's status, attempts, claim and error.
+#[derive(Debug, PartialEq, Eq)]
+struct Snapshot {
+    issues: i64,
+    transitions: i64,
+    last_seq: i64,
+    articles: i64,
+    settings: String,
+    rows: String,
+}
+
+async fn snapshot(db: &TestDb) -> Snapshot {
+    let sql = db.raw().await;
+    let row = sql
+        .query_one(
+            "SELECT (SELECT count(*) FROM issue),
+                    (SELECT count(*) FROM issue_transition),
+                    (SELECT COALESCE(max(seq), 0) FROM issue_transition),
+                    (SELECT count(*) FROM ai_article),
+                    (SELECT COALESCE(string_agg(key || '=' || value, ',' ORDER BY key), '') FROM setting),
+                    (SELECT COALESCE(string_agg(
+                        concat_ws(':', id, processing_status, attempts, claim_id, claimed_by,
+                                  last_error, updated_at, lease_until, retry_not_before),
+                        ',' ORDER BY id), '') FROM issue)",
+            &[],
+        )
+        .await
+        .unwrap();
+    Snapshot {
+        issues: row.get(0),
+        transitions: row.get(1),
+        last_seq: row.get(2),
+        articles: row.get(3),
+        settings: row.get(4),
+        rows: row.get(5),
+    }
+}
+
+/// One row of the bad-input table.
+struct Bad {
+    what: &'static str,
+    method: Method,
+    path: String,
+    content_type: Option<&'static str>,
+    body: Option<Vec<u8>>,
+    expect: u16,
+}
+
+const JSON: Option<&str> = Some("application/json");
+
+fn body(value: Value) -> Option<Vec<u8>> {
+    Some(serde_json::to_vec(&value).unwrap())
+}
+
+fn raw(text: &str) -> Option<Vec<u8>> {
+    Some(text.as_bytes().to_vec())
+}
+
+/// A table row: what, method, path, content type, body, expected status.
+type Row = (
+    &'static str,
+    &'static str,
+    String,
+    Option<&'static str>,
+    Option<Vec<u8>>,
+    u16,
+);
+
+/// Every bad request the table sends. `pending` is a claimable issue (a
+/// request that slipped past validation would claim it) and `done` a
+/// finished one. Kept as a table on purpose, one row per line.
+#[rustfmt::skip]
+fn bad_inputs(pending: i64, done: i64) -> Vec<Bad> {
+    let over_limit = newsnack::http::BODY_LIMIT + 1024;
+    let issue = |title: &str| json!({ "title": title, "body": "b", "score": 1.0 });
+    let one = || body(json!({ "issues": [issue("a")] }));
+    let claim = || body(json!({ "issue_ids": [pending] }));
+    let many_issues: Vec<Value> = (0..1001).map(|i| issue(&format!("bulk {i}"))).collect();
+    let many_ids: Vec<i64> = std::iter::once(pending).chain(1..=1000).collect();
+    // Valid JSON, a valid issue, but bigger than the body limit.
+    let huge_issue = body(json!({ "issues": [{ "title": "huge", "body": "x".repeat(over_limit) }] }));
+    // A valid id list padded with whitespace past the limit.
+    let mut huge_ids = format!("{{\"issue_ids\": [{pending}]").into_bytes();
+    huge_ids.extend(std::iter::repeat_n(b' ', over_limit));
+    huge_ids.extend_from_slice(b"}");
+    let show = |id: &str| format!("/issues/{id}");
+
+    let rows: Vec<Row> = vec![
+        // ---- POST /issues
+        ("issues: malformed JSON", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"a\""), 400),
+        ("issues: not JSON at all", "POST", "/issues".into(), JSON, raw("title=a"), 400),
+        ("issues: no content type", "POST", "/issues".into(), None, one(), 415),
+        ("issues: text/plain", "POST", "/issues".into(), Some("text/plain"), one(), 415),
+        ("issues: form content type", "POST", "/issues".into(), Some("application/x-www-form-urlencoded"), raw("issues=a"), 415),
+        ("issues: no body, no content type", "POST", "/issues".into(), None, None, 415),
+        ("issues: JSON content type, empty body", "POST", "/issues".into(), JSON, raw(""), 400),
+        ("issues: body is an array", "POST", "/issues".into(), JSON, body(json!([issue("a")])), 422),
+        ("issues: body is null", "POST", "/issues".into(), JSON, raw("null"), 422),
+        ("issues: issues is not a list", "POST", "/issues".into(), JSON, body(json!({ "issues": issue("a") })), 422),
+        ("issues: score is a string", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "score": "high" }] })), 422),
+        ("issues: score is null", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "score": null }] })), 422),
+        ("issues: score NaN (not JSON)", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"a\", \"score\": NaN}]}"), 400),
+        ("issues: score Infinity (not JSON)", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"a\", \"score\": Infinity}]}"), 400),
+        ("issues: score 1e999 overflows f64", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"a\", \"score\": 1e999}]}"), 400),
+        ("issues: title is a number", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": 7 }] })), 422),
+        ("issues: missing issues", "POST", "/issues".into(), JSON, body(json!({})), 422),
+        ("issues: missing title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("ok"), { "body": "no title" }] })), 422),
+        ("issues: unknown top-level field", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("a")], "priority": 1 })), 422),
+        ("issues: unknown issue field", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "status": "DONE" }] })), 422),
+        ("issues: duplicate field", "POST", "/issues".into(), JSON, raw("{\"issues\": [], \"issues\": []}"), 422),
+        ("issues: empty list", "POST", "/issues".into(), JSON, body(json!({ "issues": [] })), 422),
+        ("issues: 1001 issues", "POST", "/issues".into(), JSON, body(json!({ "issues": many_issues })), 422),
+        ("issues: blank title after a good one", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("fine"), issue(" \t\n ")] })), 422),
+        ("issues: empty title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("")] })), 422),
+        ("issues: title over 1000 bytes", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue(&"t".repeat(1001))] })), 422),
+        ("issues: body over 100000 bytes", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "body": "b".repeat(100_001) }] })), 422),
+        ("issues: NUL in title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("a\u{0}b")] })), 422),
+        ("issues: lone surrogate in title", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"\\ud800\"}]}"), 400),
+        ("issues: collected_at not RFC 3339", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "yesterday" }] })), 422),
+        ("issues: body over the 1 MiB limit", "POST", "/issues".into(), JSON, huge_issue, 413),
+        // ---- GET /issues/{id}
+        ("show: id abc", "GET", show("abc"), None, None, 400),
+        ("show: id 0", "GET", show("0"), None, None, 400),
+        ("show: id -1", "GET", show("-1"), None, None, 400),
+        ("show: id 1.5", "GET", show("1.5"), None, None, 400),
+        ("show: id past i64", "GET", show("9223372036854775808"), None, None, 400),
+        ("show: id percent-encoded -1", "GET", show("%2D1"), None, None, 400),
+        ("show: unknown id", "GET", show("987654321"), None, None, 404),
+        ("show: trailing segment", "GET", format!("/issues/{pending}/article"), None, None, 404),
+        // ---- POST /ai-articles
+        ("claim: malformed JSON", "POST", "/ai-articles".into(), JSON, raw(&format!("{{\"issue_ids\": [{pending},")), 400),
+        ("claim: no content type", "POST", "/ai-articles".into(), None, claim(), 415),
+        ("claim: text/plain", "POST", "/ai-articles".into(), Some("text/plain"), claim(), 415),
+        ("claim: no body, no content type", "POST", "/ai-articles".into(), None, None, 415),
+        ("claim: JSON content type, empty body", "POST", "/ai-articles".into(), JSON, raw(""), 400),
+        ("claim: ids are strings", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": ["x"] })), 422),
+        ("claim: one id a string", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [pending, "x"] })), 422),
+        ("claim: id is a float", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [pending, 1.5] })), 422),
+        ("claim: id past i64", "POST", "/ai-articles".into(), JSON, raw(&format!("{{\"issue_ids\": [{pending}, 9223372036854775808]}}")), 422),
+        ("claim: ids is a number", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": pending })), 422),
+        ("claim: ids is null", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": null })), 422),
+        ("claim: missing issue_ids", "POST", "/ai-articles".into(), JSON, body(json!({})), 422),
+        ("claim: wrong field name", "POST", "/ai-articles".into(), JSON, body(json!({ "ids": [pending] })), 422),
+        ("claim: unknown field", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [pending], "force": true })), 422),
+        ("claim: empty list", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [] })), 422),
+        ("claim: 1001 ids", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": many_ids })), 422),
+        ("claim: id 0", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [pending, 0] })), 422),
+        ("claim: id -3", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [-3, pending] })), 422),
+        ("claim: body over the 1 MiB limit", "POST", "/ai-articles".into(), JSON, Some(huge_ids), 413),
+        ("claim: only unknown ids", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [987654321] })), 409),
+        ("claim: only a finished issue", "POST", "/ai-articles".into(), JSON, body(json!({ "issue_ids": [done, done] })), 409),
+        // ---- routes and methods
+        ("unknown route", "GET", "/articles".into(), None, None, 404),
+        ("unknown route, POST with JSON", "POST", "/issue".into(), JSON, one(), 404),
+        ("unknown versioned route", "GET", "/v2/issues/1".into(), None, None, 404),
+        ("GET /ai-articles", "GET", "/ai-articles".into(), None, None, 405),
+        ("PUT /ai-articles", "PUT", "/ai-articles".into(), JSON, claim(), 405),
+        ("GET /issues (no listing)", "GET", "/issues".into(), None, None, 405),
+        ("DELETE /issues/{id}", "DELETE", show(&pending.to_string()), None, None, 405),
+        ("PATCH /issues/{id}", "PATCH", show(&pending.to_string()), JSON, body(json!({ "status": "DONE" })), 405),
+        ("POST /issues/{id}", "POST", show(&pending.to_string()), JSON, claim(), 405),
+        ("POST /healthz", "POST", "/healthz".into(), None, None, 405),
+    ];
+    rows.into_iter()
+        .map(|(what, method, path, content_type, body, expect)| Bad {
+            what,
+            method: Method::from_bytes(method.as_bytes()).unwrap(),
+            path,
+            content_type,
+            body,
+            expect,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
+    let db = TestDb::new().await;
+    let service = db.serve("bad-input", offline()).await;
+    let base = format!("http://{}", service.addr);
+    let http = reqwest::Client::new();
+    let ids = db.add_issues(3).await;
+    let (pending, done) = (ids[0], ids[1]);
+    // One finished issue, so a request naming it has something to break.
+    let (status, answer) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/ai-articles"),
+        JSON,
+        body(json!({ "issue_ids": [done] })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {done}"),
+    )
+    .await;
+
+    let before = snapshot(&db).await;
+    let mut failures = Vec::new();
+    for case in bad_inputs(pending, done) {
+        let url = format!("{base}{}", case.path);
+        let (status, answer) = within(
+            30,
+            case.what,
+            send(
+                &http,
+                case.method.clone(),
+                &url,
+                case.content_type,
+                case.body,
+            ),
+        )
+        .await;
+        let error_is_text = answer
+            .get("error")
+            .and_then(Value::as_str)
+            .is_some_and(|e| !e.trim().is_empty());
+        if !status.is_client_error() || status.as_u16() != case.expect || !error_is_text {
+            failures.push(format!(
+                "{}: {} {} -> {} (expected {}) {}",
+                case.what, case.method, case.path, status, case.expect, answer
+            ));
+        }
+        if snapshot(&db).await != before {
+            failures.push(format!("{}: changed the database", case.what));
+        }
+        if status == StatusCode::CONFLICT {
+            // A 409 still says what it did with each id.
+            if answer["claimed"] != json!([]) || !answer["skipped"].is_array() {
+                failures.push(format!(
+                    "{}: 409 without claimed/skipped: {answer}",
+                    case.what
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} bad requests were not answered as the contract says:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert_eq!(
+        snapshot(&db).await,
+        before,
+        "a bad request changed the database"
+    );
+
+    // The control: a good request does change the snapshot, so the
+    // comparison above could have failed.
+    let (status, answer) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/ai-articles"),
+        JSON,
+        body(json!({ "issue_ids": [pending] })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert_eq!(answer["claimed"], json!([pending]));
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {pending}"),
+    )
+    .await;
+    assert_ne!(snapshot(&db).await, before);
+    service.stop().await.unwrap();
+}
+
+/// POSTs `chunks` with `Transfer-Encoding: chunked` over a plain socket (no
+/// Content-Length for the server to check up front); returns the status
+/// code and the JSON body of the answer.
+async fn post_chunked(
+    addr: std::net::SocketAddr,
+    path: &str,
+    chunks: Vec<Vec<u8>>,
+) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut read, mut write) = stream.into_split();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    // The server may answer (and close) before the upload ends; write
+    // errors then are expected, and the answer is what counts.
+    let upload = tokio::spawn(async move {
+        write.write_all(head.as_bytes()).await?;
+        for chunk in chunks {
+            write
+                .write_all(format!("{:x}\r\n", chunk.len()).as_bytes())
+                .await?;
+            write.write_all(&chunk).await?;
+            write.write_all(b"\r\n").await?;
+        }
+        write.write_all(b"0\r\n\r\n").await?;
+        Ok::<_, std::io::Error>(write)
+    });
+    let mut answer = Vec::new();
+    let _ = read.read_to_end(&mut answer).await;
+    let _ = upload.await;
+    let text = String::from_utf8_lossy(&answer).to_string();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP answer: {text:?}"));
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {head:?}"));
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let json = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    (status, json)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_body_over_the_limit_sent_chunked_is_refused_too() {
+    let db = TestDb::new().await;
+    let service = db.serve("chunked", offline()).await;
+    let pending = db.add_issues(1).await[0];
+    let before = snapshot(&db).await;
+    // The limit must hold while streaming, not only against a declared
+    // length: a valid claim of a real issue, padded past 1 MiB.
+    let mut chunks = vec![format!("{{\"issue_ids\": [{pending}]").into_bytes()];
+    chunks.extend((0..20).map(|_| vec![b' '; 64 * 1024]));
+    chunks.push(b"}".to_vec());
+    let (status, answer) = within(
+        30,
+        "a chunked upload",
+        post_chunked(service.addr, "/ai-articles", chunks),
+    )
+    .await;
+    assert_eq!(status, 413, "{answer}");
+    assert!(answer["error"].is_string(), "{answer}");
+    // The same, under the limit, is a valid claim: the limit is what refused it.
+    let small = vec![
+        format!("{{\"issue_ids\": [{pending}]").into_bytes(),
+        b" }".to_vec(),
+    ];
+    assert_eq!(snapshot(&db).await, before);
+    let (status, answer) = within(
+        30,
+        "a small chunked upload",
+        post_chunked(service.addr, "/ai-articles", small),
+    )
+    .await;
+    assert_eq!(
+        (status, answer["claimed"].clone()),
+        (202, json!([pending])),
+        "{answer}"
+    );
+    service.stop().await.unwrap();
+}
+
+/// Log lines of this test process (newsnack's, debug and up), captured once
+/// for every test in this file.
+fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl Write for Sink {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter("newsnack=debug")
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("one log capture per process");
+        buffer
+    })
+    .clone()
+}
+
+/// The PostgreSQL server log of an embedded cluster (next to its data
+/// directory), if this process can read it.
+async fn server_log_path(db: &TestDb) -> Option<std::path::PathBuf> {
+    let sql = db.raw().await;
+    let data: String = sql
+        .query_one("SELECT current_setting('data_directory')", &[])
+        .await
+        .ok()?
+        .get(0);
+    let log = std::path::Path::new(&data).parent()?.join("server.log");
+    log.is_file().then_some(log)
+}
+
+const STORM_ISSUES: usize = 300;
+const STORM_CLIENTS: usize = 32;
+const WINDOW: usize = 5;
+const STEP: usize = 2;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overlapping_claim_storm_over_http_writes_every_article_exactly_once() {
+    let logs = captured_logs();
+    let db = TestDb::new().await;
+    let service = db.serve("storm", offline()).await;
+    let ids = Arc::new(db.add_issues(STORM_ISSUES).await);
+    let server_log = server_log_path(&db).await;
+    if std::env::var_os("DATABASE_URL").is_none() {
+        assert!(
+            server_log.is_some(),
+            "the embedded cluster's server.log is readable"
+        );
+    }
+    let log_start = server_log
+        .as_ref()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .unwrap_or(0);
+    let logs_start = logs.lock().unwrap().len();
+
+    // Windows of 5 consecutive ids, advancing by 2 (the last ones shorter),
+    // so every id is in two or three windows; every client walks all of
+    // them from its own starting point, so 32 clients overlap everywhere.
+    let windows: Arc<Vec<Vec<i64>>> = Arc::new(
+        (0..STORM_ISSUES)
+            .step_by(STEP)
+            .map(|s| ids[s..(s + WINDOW).min(STORM_ISSUES)].to_vec())
+            .collect(),
+    );
+    let start = Arc::new(Barrier::new(STORM_CLIENTS));
+    let url = format!("http://{}/ai-articles", service.addr);
+    let mut clients = Vec::new();
+    for c in 0..STORM_CLIENTS {
+        let (windows, start, url) = (windows.clone(), start.clone(), url.clone());
+        clients.push(tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let first = c * windows.len() / STORM_CLIENTS;
+            let mut answers = Vec::with_capacity(windows.len());
+            start.wait().await;
+            for k in 0..windows.len() {
+                let window = &windows[(first + k) % windows.len()];
+                let response = http
+                    .post(&url)
+                    .json(&json!({ "issue_ids": window }))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = response.status();
+                let answer: Value = response.json().await.unwrap();
+                answers.push((window.clone(), status, answer));
+            }
+            answers
+        }));
+    }
+    let mut answers = Vec::new();
+    for client in clients {
+        answers.extend(within(120, "the HTTP claim storm", client).await.unwrap());
+    }
+
+    let as_ids = |v: &Value| -> Vec<i64> {
+        v.as_array()
+            .unwrap_or_else(|| panic!("not a list: {v}"))
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect()
+    };
+    let mut claims: HashMap<i64, usize> = HashMap::new();
+    let (mut accepted, mut conflicts) = (0, 0);
+    for (window, status, answer) in &answers {
+        assert!(
+            !status.is_server_error(),
+            "a request failed on the server: {status} {answer}"
+        );
+        let claimed = as_ids(&answer["claimed"]);
+        let skipped = as_ids(&answer["skipped"]);
+        let asked: BTreeSet<i64> = window.iter().copied().collect();
+        let claimed_set: BTreeSet<i64> = claimed.iter().copied().collect();
+        let skipped_set: BTreeSet<i64> = skipped.iter().copied().collect();
+        assert!(claimed_set.is_disjoint(&skipped_set), "{answer}");
+        assert_eq!(
+            &claimed_set | &skipped_set,
+            asked,
+            "claimed and skipped account for exactly the asked ids: {answer}"
+        );
+        match *status {
+            StatusCode::ACCEPTED => {
+                accepted += 1;
+                assert!(!claimed.is_empty(), "202 with nothing claimed: {answer}");
+                for id in claimed {
+                    *claims.entry(id).or_default() += 1;
+                }
+            }
+            StatusCode::CONFLICT => {
+                conflicts += 1;
+                assert_eq!(answer["claimed"], json!([]), "{answer}");
+                assert!(answer["error"].is_string(), "{answer}");
+            }
+            other => panic!("unexpected {other}: {answer}"),
+        }
+    }
+    assert_eq!(answers.len(), STORM_CLIENTS * windows.len());
+    assert!(
+        accepted > 0 && conflicts > 0,
+        "{accepted} accepted, {conflicts} conflicts"
+    );
+    let twice: Vec<_> = claims.iter().filter(|(_, &n)| n > 1).collect();
+    assert!(twice.is_empty(), "ids claimed more than once: {twice:?}");
+    let claimed_ids: BTreeSet<i64> = claims.keys().copied().collect();
+    let all_ids: BTreeSet<i64> = ids.iter().copied().collect();
+    assert_eq!(claimed_ids, all_ids, "the union of claims is every issue");
+
+    until_sql(
+        &db,
+        &service.hub,
+        60,
+        &format!("SELECT count(*) = {STORM_ISSUES} FROM issue WHERE processing_status = 'DONE'"),
+    )
+    .await;
+    let n = STORM_ISSUES as i64;
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, n);
+    assert_eq!(
+        db.scalar_i64("SELECT count(DISTINCT issue_id) FROM ai_article")
+            .await,
+        n
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue WHERE attempts = 1")
+            .await,
+        n,
+        "every issue was attempted exactly once"
+    );
+    assert_eq!(
+        db.scalar_i64(
+            "SELECT count(*) FROM ai_article a JOIN issue i ON i.id = a.issue_id
+              WHERE a.claim_id = i.claim_id AND a.writer = 'offline'"
+        )
+        .await,
+        n,
+        "each article was written under its issue's one claim"
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue_transition").await,
+        3 * n,
+        "PENDING, IN_PROGRESS, DONE per issue and nothing else"
+    );
+    // No INSERT into ai_article ever failed: a failed insert (say on the
+    // unique index) still burns an identity value.
+    assert_eq!(
+        db.scalar_i64("SELECT last_value FROM ai_article_id_seq")
+            .await,
+        n,
+        "an ai_article insert was attempted more often than it succeeded"
+    );
+    service.stop().await.unwrap();
+
+    let ours = String::from_utf8_lossy(&logs.lock().unwrap()[logs_start..]).to_string();
+    for bad in [
+        "duplicate key",
+        "ai_article_issue_id_key",
+        "answering 500",
+        "answering 503",
+        "could not record",
+    ] {
+        assert!(!ours.contains(bad), "the service logged {bad:?}:\n{ours}");
+    }
+    assert!(
+        ours.contains("article written"),
+        "the log capture works (it saw the writes)"
+    );
+    if let Some(path) = server_log {
+        let log = std::fs::read(&path).unwrap();
+        let ours = String::from_utf8_lossy(&log[log_start as usize..]);
+        assert!(
+            !ours.contains("duplicate key value violates unique constraint"),
+            "PostgreSQL logged a unique violation:\n{ours}"
+        );
+    }
+}
+
+/// One issue's fencing-relevant state, for before/after comparisons.
+async fn issue_state(
+    db: &TestDb,
+    id: i64,
+) -> (String, Option<i64>, Option<String>, i32, String, i64, i64) {
+    let sql = db.raw().await;
+    let row = sql
+        .query_one(
+            "SELECT processing_status, claim_id, claimed_by, attempts,
+                    concat_ws('|', last_error, updated_at, lease_until, retry_not_before),
+                    (SELECT count(*) FROM ai_article WHERE issue_id = $1),
+                    (SELECT count(*) FROM issue_transition WHERE issue_id = $1)
+               FROM issue WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    (
+        row.get(0),
+        row.get(1),
+        row.get(2),
+        row.get(3),
+        row.get(4),
+        row.get(5),
+        row.get(6),
+    )
+}
+
+#[tokio::test]
+async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let mut client = db.pool.get().await.unwrap();
+    let sql = db.raw().await;
+    let short = Duration::from_secs(1);
+
+    let old = claim_issues(&client, &[id], "late-worker", short, ClaimScope::Claimable)
+        .await
+        .unwrap();
+    assert_eq!(old.claimed_ids(), vec![id]);
+    let old_claim = old.claimed[0].claim_id;
+    // The lease runs out (without waiting for it).
+    sql.execute(
+        "UPDATE issue SET lease_until = now() - interval '1 second' WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    assert_eq!(reap_expired(&client, 100).await.unwrap(), vec![id]);
+    assert_eq!(issue_state(&db, id).await.0, "FAILED");
+
+    // Reaped but not yet re-claimed: the old claim is already dead.
+    let reaped = issue_state(&db, id).await;
+    assert!(!heartbeat(&client, id, old_claim, short).await.unwrap());
+    assert_eq!(
+        complete(&mut client, id, old_claim, "late", "late body", "late")
+            .await
+            .unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        issue_state(&db, id).await,
+        reaped,
+        "a dead claim changed a reaped issue"
+    );
+
+    let new = claim_issues(
+        &client,
+        &[id],
+        "new-worker",
+        Duration::from_secs(60),
+        ClaimScope::Claimable,
+    )
+    .await
+    .unwrap();
+    assert_eq!(new.claimed_ids(), vec![id]);
+    let new_claim = new.claimed[0].claim_id;
+    assert_ne!(new_claim, old_claim, "a re-claim gets a new fencing token");
+    let reclaimed = issue_state(&db, id).await;
+    assert_eq!(
+        (
+            reclaimed.0.as_str(),
+            reclaimed.1,
+            reclaimed.2.as_deref(),
+            reclaimed.3,
+            reclaimed.5
+        ),
+        ("IN_PROGRESS", Some(new_claim), Some("new-worker"), 2, 0)
+    );
+
+    // The late worker finishes now: neither outcome lands.
+    assert_eq!(
+        complete(
+            &mut client,
+            id,
+            old_claim,
+            "late headline",
+            "late body",
+            "late"
+        )
+        .await
+        .unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        fail(&client, id, old_claim, "late failure", RetryPolicy::Never)
+            .await
+            .unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        fail(
+            &client,
+            id,
+            old_claim,
+            "late failure",
+            RetryPolicy::After(None)
+        )
+        .await
+        .unwrap(),
+        Fenced::Lost
+    );
+    assert!(!heartbeat(&client, id, old_claim, Duration::from_secs(600))
+        .await
+        .unwrap());
+    assert_eq!(
+        issue_state(&db, id).await,
+        reclaimed,
+        "the late worker changed the re-claimed issue"
+    );
+    assert_eq!(reap_expired(&client, 100).await.unwrap(), Vec::<i64>::new());
+
+    // The current claim still writes, once.
+    assert_eq!(
+        complete(&mut client, id, new_claim, "headline", "body", "offline")
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
+    assert_eq!(
+        complete(&mut client, id, new_claim, "again", "again", "offline")
+            .await
+            .unwrap(),
+        Fenced::Lost,
+        "a claim completes once"
+    );
+    let row = sql
+        .query_one(
+            "SELECT i.processing_status, a.claim_id, a.headline
+               FROM issue i JOIN ai_article a ON a.issue_id = i.id WHERE i.id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, String>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, String>(2)
+        ),
+        ("DONE".to_string(), new_claim, "headline".to_string())
+    );
+}
+
+#[tokio::test]
+async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(5).await;
+    let (beating, completed, expired, beating_now, completing_now) =
+        (ids[0], ids[1], ids[2], ids[3], ids[4]);
+    let mut client = db.pool.get().await.unwrap();
+    let sql = db.raw().await;
+    let short = Duration::from_secs(1);
+    let claims: HashMap<i64, i64> = claim_issues(&client, &ids, "w", short, ClaimScope::Claimable)
+        .await
+        .unwrap()
+        .claimed
+        .iter()
+        .map(|c| (c.id, c.claim_id))
+        .collect();
+    assert_eq!(claims.len(), 5);
+    assert_eq!(
+        complete(
+            &mut client,
+            completed,
+            claims[&completed],
+            "h",
+            "b",
+            "offline"
+        )
+        .await
+        .unwrap(),
+        Fenced::Written
+    );
+    // Every live lease has run out...
+    sql.execute(
+        "UPDATE issue SET lease_until = now() - interval '1 second' WHERE processing_status = 'IN_PROGRESS'",
+        &[],
+    )
+    .await
+    .unwrap();
+    // ...but one worker heartbeats before the reaper comes.
+    assert!(
+        heartbeat(&client, beating, claims[&beating], Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+
+    // Two workers are mid-write when the reaper comes: a heartbeat and a
+    // completion, both uncommitted and holding their rows.
+    let heart = db.raw().await;
+    heart
+        .batch_execute(&format!(
+            "BEGIN; UPDATE issue SET lease_until = now() + interval '60 seconds'
+                     WHERE id = {beating_now} AND claim_id = {} AND processing_status = 'IN_PROGRESS'",
+            claims[&beating_now]
+        ))
+        .await
+        .unwrap();
+    let finisher = db.raw().await;
+    finisher
+        .batch_execute(&format!(
+            "BEGIN; UPDATE issue SET processing_status = 'DONE'
+                     WHERE id = {completing_now} AND claim_id = {} AND processing_status = 'IN_PROGRESS';
+             INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
+             VALUES ({completing_now}, 'h', 'b', 'offline', {});",
+            claims[&completing_now], claims[&completing_now]
+        ))
+        .await
+        .unwrap();
+
+    let reaped = within(
+        10,
+        "a reaper that skips locked rows",
+        reap_expired(&client, 100),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        reaped,
+        vec![expired],
+        "only the truly expired lease is reaped"
+    );
+    heart.batch_execute("COMMIT").await.unwrap();
+    finisher.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(
+        reap_expired(&client, 100).await.unwrap(),
+        Vec::<i64>::new(),
+        "after the workers commit there is nothing left to reap"
+    );
+
+    let statuses: Vec<(i64, String, Option<String>)> = sql
+        .query(
+            "SELECT id, processing_status, last_error FROM issue ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        statuses,
+        vec![
+            (beating, "IN_PROGRESS".into(), None),
+            (completed, "DONE".into(), None),
+            (expired, "FAILED".into(), Some("lease expired".into())),
+            (beating_now, "IN_PROGRESS".into(), None),
+            (completing_now, "DONE".into(), None),
+        ]
+    );
+    // The heartbeated claims are still their workers' to finish.
+    for id in [beating, beating_now] {
+        assert_eq!(
+            complete(&mut client, id, claims[&id], "h", "b", "offline")
+                .await
+                .unwrap(),
+            Fenced::Written
+        );
+    }
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_health_and_readiness_answer_in_shape() {
+    let db = TestDb::new().await;
+    let service = db.serve("shapes", offline()).await;
+    let base = format!("http://{}", service.addr);
+    let http = reqwest::Client::new();
+
+    let (status, created) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/issues"),
+        JSON,
+        body(json!({ "issues": [
+            { "title": "Rates rise", "body": "The bank raised rates.", "score": 9.5,
+              "collected_at": "2025-01-02T03:04:05Z" },
+            { "title": "Storm warning" }
+        ] })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let created: Vec<i64> = created["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    assert_eq!(created.len(), 2);
+    assert!(
+        created[0] > 0 && created[1] > created[0],
+        "ids in input order"
+    );
+
+    let (status, issue) = send(
+        &http,
+        Method::GET,
+        &format!("{base}/issues/{}", created[0]),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{issue}");
+    assert_eq!(issue["id"], json!(created[0]));
+    assert_eq!(issue["title"], json!("Rates rise"));
+    assert_eq!(issue["body"], json!("The bank raised rates."));
+    assert_eq!(issue["score"], json!(9.5));
+    assert_eq!(issue["status"], json!("PENDING"));
+    assert_eq!(issue["attempts"], json!(0));
+    assert_eq!(issue["last_error"], Value::Null);
+    assert_eq!(issue["claimed_by"], Value::Null);
+    assert_eq!(issue["lease_until"], Value::Null);
+    let rfc3339 = &time::format_description::well_known::Rfc3339;
+    let collected =
+        time::OffsetDateTime::parse(issue["collected_at"].as_str().unwrap(), rfc3339).unwrap();
+    assert_eq!(collected, time::macros::datetime!(2025-01-02 03:04:05 UTC));
+    assert!(
+        time::OffsetDateTime::parse(issue["updated_at"].as_str().unwrap(), rfc3339).is_ok(),
+        "{issue}"
+    );
+
+    let (status, defaults) = send(
+        &http,
+        Method::GET,
+        &format!("{base}/issues/{}", created[1]),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        (defaults["body"].clone(), defaults["score"].clone()),
+        (json!(""), json!(0.0))
+    );
+
+    // After generation the same endpoint shows the outcome.
+    let (status, answer) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/ai-articles"),
+        JSON,
+        body(json!({ "issue_ids": [created[0], 987654321] })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert_eq!(
+        answer,
+        json!({ "claimed": [created[0]], "skipped": [987654321] })
+    );
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!(
+            "SELECT processing_status = 'DONE' FROM issue WHERE id = {}",
+            created[0]
+        ),
+    )
+    .await;
+    let (_, issue) = send(
+        &http,
+        Method::GET,
+        &format!("{base}/issues/{}", created[0]),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (issue["status"].clone(), issue["attempts"].clone()),
+        (json!("DONE"), json!(1))
+    );
+    assert_eq!(issue["claimed_by"], json!("shapes"));
+
+    let (status, missing) = send(
+        &http,
+        Method::GET,
+        &format!("{base}/issues/987654321"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(
+        missing["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("987654321")),
+        "{missing}"
+    );
+
+    let (status, health) = send(&http, Method::GET, &format!("{base}/healthz"), None, None).await;
+    assert_eq!(
+        (status, health),
+        (StatusCode::OK, json!({ "status": "ok" }))
+    );
+    let (status, ready) = send(&http, Method::GET, &format!("{base}/readyz"), None, None).await;
+    assert_eq!(status, StatusCode::OK, "{ready}");
+    assert_eq!(ready, json!({ "database": true, "listener": true }));
+    service.stop().await.unwrap();
+}
