@@ -257,8 +257,11 @@ impl Feed {
 /// same time, so each is serialised once rather than once per client. A
 /// slot holds one `seq`; a miss (a client far behind) just builds it again.
 struct EventCache {
-    slots: Box<[Mutex<Option<(Transition, Event)>>]>,
+    slots: Box<[Mutex<Option<CachedEvent>>]>,
 }
+
+/// A transition and the SSE event built from it.
+type CachedEvent = (Transition, Event);
 
 impl EventCache {
     const SLOTS: usize = 1024;
