@@ -183,6 +183,9 @@ impl Listener {
 
     async fn run(mut self, first: Session, shutdown: CancellationToken) {
         let mut session = Some(first);
+        // `start` read the log position on this very session after LISTEN,
+        // so the first session has nothing to catch up on.
+        let mut caught_up = true;
         let mut backoff = self.options.backoff_min;
         loop {
             let current = match session.take() {
@@ -199,7 +202,8 @@ impl Listener {
                     }
                 },
             };
-            match self.serve(current, &shutdown, &mut backoff).await {
+            let resumed = !std::mem::replace(&mut caught_up, false);
+            match self.serve(current, resumed, &shutdown, &mut backoff).await {
                 SessionEnd::Shutdown => return,
                 SessionEnd::Lost(reason) => {
                     tracing::warn!(%reason, "listener lost its session; reconnecting");
@@ -218,20 +222,25 @@ impl Listener {
         }
     }
 
-    /// Catches up, then publishes notifications until the session ends.
+    /// Catches up (on a resumed session), then publishes notifications
+    /// until the session ends.
     async fn serve(
         &mut self,
         mut session: Session,
+        resumed: bool,
         shutdown: &CancellationToken,
         backoff: &mut Duration,
     ) -> SessionEnd {
-        // LISTEN is already active, so nothing can fall between the catch-up
-        // read and the first notification.
-        if let Err(e) = self.catch_up(&session.client).await {
-            return SessionEnd::Lost(format!("catch-up failed: {e}"));
+        if resumed {
+            // LISTEN is already active, so nothing can fall between the
+            // catch-up read and the first notification.
+            if let Err(e) = self.catch_up(&session.client).await {
+                return SessionEnd::Lost(format!("catch-up failed: {e}"));
+            }
+            self.mark_connected(&session);
+            // Setting changes may have been missed while disconnected.
+            self.settings_changed.send_modify(|v| *v += 1);
         }
-        self.mark_connected(&session);
-        self.settings_changed.send_modify(|v| *v += 1);
         *backoff = self.options.backoff_min;
 
         let mut health = tokio::time::interval(self.options.health_interval);
