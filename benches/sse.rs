@@ -3,8 +3,9 @@
 //! A throwaway cluster with default durability; the whole service runs in
 //! this process (offline writer). `BENCH_SSE_CLIENTS` (default 200) SSE
 //! clients connect, live, from a *separate client process* (this binary
-//! re-run with `NEWSNACK_SSE_BENCH_URL` set), so this process's `VmRSS` is
-//! the service's own: read before the clients connect, once all are open,
+//! re-run with `NEWSNACK_SSE_BENCH_URL` set; each client a bare HTTP/1.1
+//! connection with a minimal chunked/SSE parser, to leave the CPU to the
+//! service), so this process's `VmRSS` is the service's own: read before the clients connect, once all are open,
 //! and after the traffic. Then transitions are committed from a separate
 //! connection at `BENCH_SSE_RATE` per second (default 1,000) for
 //! `BENCH_SSE_SECONDS` (default 10): raw `UPDATE issue SET
@@ -20,8 +21,9 @@
 //! The client process checks that every client received every transition
 //! from its start on, exactly once and in order.
 //!
-//! `cargo bench --bench sse`; about 30 s. Clients, service and PostgreSQL
-//! share the machine's cores.
+//! `cargo bench --bench sse`; about 15 s. Clients, service and PostgreSQL
+//! share the machine's cores; the report carries the load average at the
+//! start, since anything else running skews the latencies.
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -33,7 +35,8 @@ use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::json;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
 use tokio::process::Command;
 use tokio::sync::watch;
 
@@ -51,13 +54,28 @@ fn knob(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
     match std::env::var(CHILD_URL) {
-        Ok(url) => runtime.block_on(clients(url, knob(CHILD_CLIENTS, 200) as usize)),
-        Err(_) => runtime.block_on(bench()),
+        Ok(url) => {
+            let threads = knob("BENCH_SSE_CLIENT_THREADS", 1) as usize;
+            let runtime = if threads <= 1 {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+            } else {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(threads)
+                    .enable_all()
+                    .build()
+            };
+            runtime
+                .unwrap()
+                .block_on(clients(url, knob(CHILD_CLIENTS, 200) as usize))
+        }
+        Err(_) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(bench()),
     }
 }
 
@@ -66,6 +84,9 @@ async fn bench() {
     let rate = knob("BENCH_SSE_RATE", 1000).max(1);
     let seconds = knob("BENCH_SSE_SECONDS", 10).max(1);
     let started = Instant::now();
+    let loadavg = std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
 
     let cluster = tokio::task::spawn_blocking(|| {
         EmbeddedPostgres::start(&EmbeddedOptions {
@@ -148,6 +169,30 @@ async fn bench() {
     );
     let rss_open = rss_kib(None);
 
+    // The hub's own view: when each transition reaches the listener's
+    // subscribers, before any SSE work (a breakdown of the latency).
+    let mut at_hub = service.hub.subscribe();
+    let (hub_stop_tx, mut hub_stop) = watch::channel(i64::MAX);
+    let hub_probe = tokio::spawn(async move {
+        let mut latencies_us: Vec<u64> = Vec::new();
+        let mut last = 0;
+        while last < *hub_stop.borrow() {
+            tokio::select! {
+                received = at_hub.recv() => match received {
+                    Ok(t) => {
+                        let latency = (OffsetDateTime::now_utc() - t.at).whole_microseconds();
+                        latencies_us.push(latency.max(0) as u64);
+                        last = t.seq;
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(_) => break,
+                },
+                _ = hub_stop.changed() => {}
+            }
+        }
+        latencies_us
+    });
+
     // Paced writes: transition k moves issue k mod N to its next status
     // (`PENDING → IN_PROGRESS` on the first pass, `→ DONE` on the second).
     let step = writer
@@ -190,6 +235,12 @@ async fn bench() {
         .get(0);
     let committed = (last - loaded) as u64;
     let rss_after = rss_kib(None);
+    hub_stop_tx.send_replace(last);
+    let mut hub_us = tokio::time::timeout(Duration::from_secs(30), hub_probe)
+        .await
+        .expect("the hub probe to see the last transition")
+        .unwrap();
+    hub_us.sort_unstable();
     let rss_hwm = hwm_kib();
 
     // Tell the clients where the end is; collect their report.
@@ -215,6 +266,7 @@ async fn bench() {
     let report = json!({
         "benchmark": "GET /events fan-out: commit-to-event latency and memory",
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "loadavg_at_start": loadavg,
         "durable": true,
         "clients": clients,
         "client_process_pid": child_pid,
@@ -232,6 +284,12 @@ async fn bench() {
         "deliveries_per_s": round1(client_report["pairs"].as_f64().unwrap_or(0.0) / write_seconds),
         "every_client_got_every_transition_once_in_order": client_report["complete"],
         "latency_ms": client_report["latency_ms"],
+        "latency_to_hub_ms": {
+            "what": "commit-time `at` to the listener's broadcast (NOTIFY path only)",
+            "p50": percentile_ms(&hub_us, 50.0),
+            "p99": percentile_ms(&hub_us, 99.0),
+            "max": hub_us.last().map(|&us| us as f64 / 1000.0),
+        },
         "service_rss_kib": {
             "before_clients": rss_before,
             "with_clients_open": rss_open,
@@ -258,35 +316,41 @@ async fn bench() {
 }
 
 /// The client process: opens `n` streams, says `ready`, reads until the
-/// `seq` given on stdin, prints one JSON line.
+/// `seq` given on stdin, prints one JSON line. Each client is a bare
+/// HTTP/1.1 connection with a minimal chunked/SSE parser, so the clients
+/// take as little as possible of the CPU the service is measured on.
 async fn clients(url: String, n: usize) {
-    let http = reqwest::Client::new();
-    let responses = futures::future::join_all((0..n).map(|_| http.get(&url).send())).await;
+    let addr = url
+        .strip_prefix("http://")
+        .and_then(|rest| rest.split_once('/'))
+        .map(|(host, _)| host.to_string())
+        .expect("an http://host:port/path URL");
     let (final_tx, final_rx) = watch::channel(i64::MAX);
+    let streams = futures::future::join_all((0..n).map(|_| open(&addr))).await;
     let mut tasks = Vec::new();
-    for response in responses {
-        let response = response.expect("open the event stream");
-        assert_eq!(response.status(), 200);
+    for (socket, rest) in streams {
         let mut final_rx = final_rx.clone();
         tasks.push(tokio::spawn(async move {
-            let mut response = response;
+            let mut socket = socket;
             let mut client = ClientStats::default();
-            let mut buf: Vec<u8> = Vec::new();
+            let mut body = ChunkedBody::new(rest);
+            let mut buf = vec![0u8; 16 * 1024];
             loop {
                 if client.last.is_some_and(|s| s >= *final_rx.borrow()) {
                     return client;
                 }
                 tokio::select! {
-                    chunk = response.chunk() => {
-                        let Some(chunk) = chunk.expect("read the stream") else {
+                    read = socket.read(&mut buf) => {
+                        let read = read.expect("read the stream");
+                        if read == 0 {
                             client.ended_early = true;
                             return client;
-                        };
+                        }
                         let received = OffsetDateTime::now_utc();
-                        buf.extend_from_slice(&chunk);
-                        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
-                            client.event(&buf[..end], received);
-                            buf.drain(..end + 2);
+                        body.feed(&buf[..read], |block| client.event(block, received));
+                        if body.ended {
+                            client.ended_early = true;
+                            return client;
                         }
                     }
                     _ = final_rx.changed() => {}
@@ -335,6 +399,93 @@ async fn clients(url: String, n: usize) {
     });
     println!("{report}");
     std::io::stdout().flush().unwrap();
+}
+
+/// Sends `GET /events`, checks the response head; returns the socket and
+/// any body bytes read with the head.
+async fn open(addr: &str) -> (TcpStream, Vec<u8>) {
+    let mut socket = TcpStream::connect(addr).await.expect("connect");
+    socket.set_nodelay(true).unwrap();
+    socket
+        .write_all(
+            format!("GET /events HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let read = socket.read(&mut buf).await.expect("read the response head");
+        assert!(read > 0, "the server closed the connection");
+        head.extend_from_slice(&buf[..read]);
+        if let Some(end) = find(&head, b"\r\n\r\n") {
+            let text = String::from_utf8_lossy(&head[..end]).to_ascii_lowercase();
+            assert!(text.starts_with("http/1.1 200"), "{text}");
+            assert!(text.contains("transfer-encoding: chunked"), "{text}");
+            return (socket, head.split_off(end + 4));
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Undoes chunked transfer encoding and splits the body into SSE blocks.
+struct ChunkedBody {
+    raw: Vec<u8>,
+    /// Bytes of the current chunk still to come, plus its CRLF.
+    in_chunk: usize,
+    sse: Vec<u8>,
+    ended: bool,
+}
+
+impl ChunkedBody {
+    fn new(initial: Vec<u8>) -> Self {
+        ChunkedBody {
+            raw: initial,
+            in_chunk: 0,
+            sse: Vec::new(),
+            ended: false,
+        }
+    }
+
+    fn feed(&mut self, bytes: &[u8], mut on_block: impl FnMut(&[u8])) {
+        self.raw.extend_from_slice(bytes);
+        let mut at = 0;
+        while at < self.raw.len() && !self.ended {
+            if self.in_chunk == 0 {
+                let Some(eol) = find(&self.raw[at..], b"\r\n") else {
+                    break;
+                };
+                let size = std::str::from_utf8(&self.raw[at..at + eol])
+                    .ok()
+                    .and_then(|s| usize::from_str_radix(s.split(';').next()?.trim(), 16).ok())
+                    .expect("a chunk size");
+                at += eol + 2;
+                if size == 0 {
+                    self.ended = true;
+                    break;
+                }
+                self.in_chunk = size + 2;
+            }
+            let take = self.in_chunk.min(self.raw.len() - at);
+            // The chunk's data, without its trailing CRLF.
+            let data_left = self.in_chunk.saturating_sub(2);
+            self.sse
+                .extend_from_slice(&self.raw[at..at + take.min(data_left)]);
+            self.in_chunk -= take;
+            at += take;
+        }
+        self.raw.drain(..at);
+        let mut from = 0;
+        while let Some(end) = find(&self.sse[from..], b"\n\n") {
+            on_block(&self.sse[from..from + end]);
+            from += end + 2;
+        }
+        self.sse.drain(..from);
+    }
 }
 
 /// What one client saw.

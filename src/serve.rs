@@ -270,6 +270,11 @@ pub async fn start(
     let addr = socket.local_addr().map_err(ServeError::Http)?;
     let stop_http = shutdown.clone();
     let http = tokio::spawn(async move {
+        // TCP_NODELAY: a small write (an SSE event) goes out at once instead
+        // of waiting for the client's delayed ACK (up to 40 ms).
+        let socket = axum::serve::ListenerExt::tap_io(socket, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(socket, app)
             .with_graceful_shutdown(async move { stop_http.cancelled().await })
             .await

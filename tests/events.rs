@@ -252,6 +252,26 @@ async fn until_published(hub: &TransitionHub, seq: i64) {
     .await
 }
 
+/// How many transitions surely overflow what a stalled connection absorbs
+/// (the kernel's largest send buffer, the initial receive buffer, hyper's
+/// buffers at both ends: about 25,000 events here) by more than the 10,000 a
+/// stream may fall behind.
+fn flood_size() -> i32 {
+    let field = |path: &str, index: usize| -> i64 {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.split_whitespace().nth(index)?.parse().ok())
+            .unwrap_or(4 << 20)
+    };
+    let absorbed_bytes = field("/proc/sys/net/ipv4/tcp_wmem", 2)
+        + field("/proc/sys/net/ipv4/tcp_rmem", 1)
+        + (1 << 20);
+    // An event on the wire is about 150 bytes.
+    let needed = newsnack::http::events::MAX_FALL_BEHIND + absorbed_bytes / 140;
+    let flood = (needed * 3 / 2 + 999) / 1000 * 1000;
+    flood.clamp(30_000, 400_000) as i32
+}
+
 /// This process's resident memory, in KiB.
 fn rss_kib() -> i64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
@@ -557,6 +577,21 @@ async fn two_hundred_clients_all_receive_every_transition_for_little_memory() {
         "one hub receiver per client"
     );
     let rss_open = rss_kib();
+    // The metrics count them too.
+    let metrics = http
+        .get(format!("http://{}/metrics", service.addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let gauge: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("newsnack_sse_clients "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no newsnack_sse_clients in {metrics}"));
+    assert!(gauge >= CLIENTS as f64, "newsnack_sse_clients = {gauge}");
 
     let (final_tx, final_rx) = watch::channel(i64::MAX);
     let readers: Vec<_> = clients
@@ -626,7 +661,7 @@ async fn two_hundred_clients_all_receive_every_transition_for_little_memory() {
 #[tokio::test]
 async fn a_client_too_slow_to_keep_up_is_dropped_with_a_resumable_final_event() {
     let _shared = EXCLUSIVE.read().await;
-    const FLOOD: i32 = 60_000;
+    let flood = flood_size();
     let db = TestDb::new().await;
     let service = db.serve("events-slow", offline()).await;
     let url = format!("http://{}/events", service.addr);
@@ -636,9 +671,9 @@ async fn a_client_too_slow_to_keep_up_is_dropped_with_a_resumable_final_event() 
     let mut slow = SseClient::open(&http, &url, None).await;
     insert(&sql, 1).await;
     let mut seen = vec![slow.expect(10, "the first transition").await.seq()];
-    // The client stops reading; 60,000 transitions flow meanwhile, far more
-    // than socket buffers hold and the 10,000 a stream may fall behind.
-    for _ in 0..FLOOD / 1000 {
+    // The client stops reading; meanwhile far more transitions flow than
+    // socket buffers hold plus the 10,000 a stream may fall behind.
+    for _ in 0..flood / 1000 {
         insert(&sql, 1000).await;
     }
     let log = all_seqs(&db).await;
