@@ -446,7 +446,9 @@ async fn seeds_over_http(url: &str, issues: usize, clients: usize) -> serde_json
         plans.push((http, requests));
     }
     let seq = last_seq(&pool).await;
+    let skipped_from_memory_before = ids_skipped_known_done();
     let (mut tally, began, finished) = run_clients(plans).await;
+    let skipped_from_memory = ids_skipped_known_done() - skipped_from_memory_before;
     let elapsed = finished - began;
     let distinct: std::collections::BTreeSet<i64> = tally.claimed.iter().copied().collect();
     wait_for_done(&service.hub, seq, distinct.len()).await;
@@ -477,10 +479,20 @@ async fn seeds_over_http(url: &str, issues: usize, clients: usize) -> serde_json
         "status_409": count(409),
         "status_other": other,
         "issues_claimed": distinct.len(),
+        "ids_skipped_as_known_done_without_sql": skipped_from_memory,
         "ids_claimed_twice": claimed_twice(&tally.claimed),
         "duplicates": checks["issues_with_more_than_one_article"],
         "checks_after_all_done": checks,
     })
+}
+
+/// The service's count of requested ids it skipped as known `DONE`.
+fn ids_skipped_known_done() -> u64 {
+    let text = newsnack::metrics::render().unwrap_or_default();
+    text.lines()
+        .find(|l| l.contains("result=\"skipped_known_done\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0) as u64
 }
 
 async fn direct_claims(

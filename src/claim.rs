@@ -1,25 +1,19 @@
-//! Claims with application-level group commit.
+//! Claims with application-level group commit ([`crate::group_commit`]).
 //!
-//! Every transaction that changes a status sends NOTIFY, and PostgreSQL
-//! serialises notifying commits: each holds a cluster-wide lock through its
-//! WAL flush. One claim per transaction would therefore commit one at a
-//! time. The [`Claimer`] instead queues concurrent claim requests and runs
-//! whatever has queued up as one transaction per lane: each request is still
-//! its own `FOR NO KEY UPDATE SKIP LOCKED` statement with its own answer,
-//! but a batch pays for one commit. Within a batch, a later statement sees
-//! the earlier ones' claims (a transaction never skips its own locks; the
-//! status check excludes them), so no issue is handed out twice.
-//!
-//! Under light load a batch holds one request and nothing waits; under heavy
-//! load batches grow by themselves while the previous commit flushes.
+//! Concurrent claim requests are run as one transaction per batch: each
+//! request is still its own `FOR NO KEY UPDATE SKIP LOCKED` statement with
+//! its own answer, but a batch pays for one commit. Within a batch, a later
+//! statement sees the earlier ones' claims (a transaction never skips its own
+//! locks; the status check excludes them), so no issue is handed out twice.
 
 use std::time::Duration;
 
 use futures::future::join_all;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::db::issue::{self, ClaimOutcome, ClaimScope};
 use crate::db::{DbError, DbPool};
+use crate::group_commit::GroupCommit;
 
 /// Requests merged into one transaction at most.
 const MAX_BATCH: usize = 64;
@@ -34,38 +28,19 @@ struct ClaimRequest {
 /// Claims issues on behalf of one worker identity. Cheap to clone.
 #[derive(Clone)]
 pub struct Claimer {
-    queue: mpsc::Sender<ClaimRequest>,
+    batches: GroupCommit<ClaimRequest>,
 }
 
 impl Claimer {
-    /// Starts `lanes` batching tasks (two keep one batch building while the
-    /// other commits). They stop when every `Claimer` clone is dropped.
+    /// Starts `lanes` batching tasks. They stop when every `Claimer` clone
+    /// is dropped.
     pub fn start(pool: DbPool, worker: String, lanes: usize) -> Claimer {
-        let (queue, inbox) = mpsc::channel::<ClaimRequest>(1024);
-        let inbox = std::sync::Arc::new(tokio::sync::Mutex::new(inbox));
-        for _ in 0..lanes.max(1) {
-            let (pool, worker, inbox) = (pool.clone(), worker.clone(), inbox.clone());
-            tokio::spawn(async move {
-                loop {
-                    let batch = {
-                        let mut inbox = inbox.lock().await;
-                        let Some(first) = inbox.recv().await else {
-                            return;
-                        };
-                        let mut batch = vec![first];
-                        while batch.len() < MAX_BATCH {
-                            match inbox.try_recv() {
-                                Ok(next) => batch.push(next),
-                                Err(_) => break,
-                            }
-                        }
-                        batch
-                    };
-                    run_batch(&pool, &worker, batch).await;
-                }
-            });
-        }
-        Claimer { queue }
+        let worker: std::sync::Arc<str> = worker.into();
+        let batches = GroupCommit::start(lanes, MAX_BATCH, move |batch| {
+            let (pool, worker) = (pool.clone(), worker.clone());
+            async move { run_batch(&pool, &worker, batch).await }
+        });
+        Claimer { batches }
     }
 
     /// Claims the claimable ones among `ids` (see
@@ -76,19 +51,18 @@ impl Claimer {
         lease: Duration,
         scope: ClaimScope,
     ) -> Result<ClaimOutcome, DbError> {
+        let stopped = || DbError::Invalid("the claimer has stopped".into());
         let (answer, outcome) = oneshot::channel();
-        self.queue
-            .send(ClaimRequest {
+        self.batches
+            .submit(ClaimRequest {
                 ids,
                 lease,
                 scope,
                 answer,
             })
             .await
-            .map_err(|_| DbError::Invalid("the claimer has stopped".into()))?;
-        let outcome = outcome
-            .await
-            .map_err(|_| DbError::Invalid("the claimer has stopped".into()))??;
+            .map_err(|_| stopped())?;
+        let outcome = outcome.await.map_err(|_| stopped())??;
         crate::metrics::claims_answered(outcome.claimed.len(), outcome.skipped.len());
         Ok(outcome)
     }

@@ -11,7 +11,9 @@
 //! | [`claim`] | claims with application-level group commit |
 //! | [`cli`] | the command line: parsing, one-shot commands, dispatch |
 //! | [`db`] | the pool, migrations, advisory lock keys, every SQL query |
+//! | [`done_issues`] | known-`DONE` ids that answer hopeless claims without SQL |
 //! | [`embedded`] | the throwaway PostgreSQL for the zero-config default |
+//! | [`group_commit`] | batching concurrent writes into shared transactions |
 //! | [`listener`] | the one LISTEN connection and the subscriber hub |
 //! | [`stream`] | gapless, resumable transition streams over the log |
 //! | [`machine`] | the typed `statig` lifecycle of an issue |
@@ -28,7 +30,9 @@ pub mod claim;
 pub mod cli;
 pub mod db;
 pub mod demo;
+pub mod done_issues;
 pub mod embedded;
+pub mod group_commit;
 pub mod http;
 pub mod input;
 pub mod listener;

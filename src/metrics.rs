@@ -128,7 +128,7 @@ fn describe_and_register() {
         AUTH_REJECTIONS,
         "Requests refused for a missing or wrong API token"
     );
-    for result in ["claimed", "skipped"] {
+    for result in ["claimed", "skipped", "skipped_known_done"] {
         counter!(CLAIMS, "result" => result).increment(0);
     }
     counter!(LISTENER_RECONNECTS).increment(0);
@@ -173,6 +173,13 @@ pub fn claims_answered(claimed: usize, skipped: usize) {
     let _ = install();
     counter!(CLAIMS, "result" => "claimed").increment(claimed as u64);
     counter!(CLAIMS, "result" => "skipped").increment(skipped as u64);
+}
+
+/// Requested ids skipped because the instance knew them `DONE`, without
+/// asking the database ([`crate::done_issues`]).
+pub fn claims_skipped_known_done(skipped: usize) {
+    let _ = install();
+    counter!(CLAIMS, "result" => "skipped_known_done").increment(skipped as u64);
 }
 
 /// The listener published a transition (`from` is `None` for a new issue).

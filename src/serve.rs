@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::claim::Claimer;
 use crate::db::{self, DbError, PoolOptions};
+use crate::done_issues::DoneIssues;
 use crate::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedPostgres};
 use crate::http::{self, AppState};
 use crate::listener::{Listener, ListenerOptions, TransitionHub};
@@ -256,6 +257,7 @@ pub async fn start(
         pool: core.pool.clone(),
         hub: core.hub.clone(),
         claimer: core.claimer.clone(),
+        done: DoneIssues::follow(&core.hub, shutdown.clone()),
         generator: core.generator.clone(),
         settings: core.settings.clone(),
         shutdown: shutdown.clone(),

@@ -9,6 +9,10 @@
 //! claim, so a reaped and re-claimed issue is never overwritten by a late
 //! worker.
 //!
+//! Completions are group-committed ([`crate::group_commit`]): articles that
+//! finish together are recorded by one statement, so a fast writer is not
+//! held back by one notifying commit per article.
+//!
 //! On shutdown the generator stops taking work, lets in-flight generations
 //! finish within a grace period, and releases the rest as `FAILED` with
 //! reason `shutdown` (they are retried by whichever instance remains).
@@ -17,12 +21,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::issue::{self, ClaimedIssue, Fenced, RetryPolicy};
+use crate::db::issue::{self, ClaimedIssue, Completion, Fenced, RetryPolicy};
 use crate::db::{DbError, DbPool};
+use crate::group_commit::GroupCommit;
 use crate::settings::SettingsCache;
 use crate::writer::{IssueText, SharedWriter};
 
@@ -63,6 +68,7 @@ impl GeneratorHandle {
 /// The generation service of one instance.
 pub struct Generator {
     pool: DbPool,
+    completer: Completer,
     writer: SharedWriter,
     settings: Arc<SettingsCache>,
     settings_changed: tokio::sync::watch::Receiver<u64>,
@@ -82,6 +88,7 @@ impl Generator {
         let (tx, rx) = mpsc::unbounded_channel();
         (
             Generator {
+                completer: Completer::start(pool.clone(), writer.name()),
                 pool,
                 writer,
                 settings,
@@ -118,6 +125,7 @@ impl Generator {
                     let key = (claimed.id, claimed.claim_id);
                     let task = inflight.spawn(generate(
                         self.pool.clone(),
+                        self.completer.clone(),
                         self.writer.clone(),
                         self.settings.clone(),
                         slots.clone(),
@@ -206,6 +214,7 @@ fn resize(slots: &Arc<Semaphore>, current: usize, wanted: usize) -> usize {
 /// written; gives up at once if the claim is lost.
 async fn generate(
     pool: DbPool,
+    completer: Completer,
     writer: SharedWriter,
     settings: Arc<SettingsCache>,
     slots: Arc<Semaphore>,
@@ -217,18 +226,20 @@ async fn generate(
         Err(_) => Duration::from_secs(60),
     };
     let work = async {
-        let _slot = slots
+        let slot = slots
             .acquire()
             .await
             .expect("the semaphore is never closed");
         let started = std::time::Instant::now();
         let result = writer.write(IssueText::from(&claimed)).await;
+        // The slot bounds LLM calls only; recording waits for its batch.
+        drop(slot);
         crate::metrics::llm_call_finished(
             started.elapsed(),
             result.as_ref().err().map(|e| e.kind().as_str()),
         );
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
-        record(&pool, &claimed, writer.name(), result).await
+        record(&pool, &completer, &claimed, result).await
     };
     let outcome = tokio::select! {
         outcome = work => outcome,
@@ -259,22 +270,20 @@ async fn generate(
 /// Writes the outcome, fenced by the claim.
 async fn record(
     pool: &DbPool,
+    completer: &Completer,
     claimed: &ClaimedIssue,
-    writer_name: &str,
     result: Result<crate::writer::Article, crate::writer::WriteError>,
 ) -> Result<Generated, DbError> {
-    let mut client = pool.get().await?;
     match result {
         Ok(article) => {
-            let fenced = issue::complete(
-                &mut client,
-                claimed.id,
-                claimed.claim_id,
-                &article.headline,
-                &article.body,
-                writer_name,
-            )
-            .await?;
+            let fenced = completer
+                .complete(Completion {
+                    id: claimed.id,
+                    claim_id: claimed.claim_id,
+                    headline: article.headline,
+                    body: article.body,
+                })
+                .await?;
             Ok(match fenced {
                 Fenced::Written => Generated::Done,
                 Fenced::Lost => Generated::ClaimLost,
@@ -287,6 +296,7 @@ async fn record(
             } else {
                 RetryPolicy::Never
             };
+            let client = pool.get().await?;
             let fenced = issue::fail(&client, claimed.id, claimed.claim_id, &reason, retry).await?;
             Ok(match fenced {
                 Fenced::Written => Generated::Failed {
@@ -297,6 +307,75 @@ async fn record(
             })
         }
     }
+}
+
+/// Articles recorded together at most.
+const MAX_COMPLETIONS_PER_BATCH: usize = 128;
+
+/// A completion waiting for its batch.
+struct PendingCompletion {
+    completion: Completion,
+    answer: oneshot::Sender<Result<Fenced, DbError>>,
+}
+
+/// Records finished articles, group-committed. Cheap to clone.
+#[derive(Clone)]
+struct Completer {
+    batches: GroupCommit<PendingCompletion>,
+}
+
+impl Completer {
+    fn start(pool: DbPool, writer: &str) -> Completer {
+        let writer: Arc<str> = writer.into();
+        let batches = GroupCommit::start(2, MAX_COMPLETIONS_PER_BATCH, move |batch| {
+            let (pool, writer) = (pool.clone(), writer.clone());
+            async move { record_batch(&pool, &writer, batch).await }
+        });
+        Completer { batches }
+    }
+
+    async fn complete(&self, completion: Completion) -> Result<Fenced, DbError> {
+        let stopped = || DbError::Invalid("the completer has stopped".into());
+        let (answer, fenced) = oneshot::channel();
+        self.batches
+            .submit(PendingCompletion { completion, answer })
+            .await
+            .map_err(|_| stopped())?;
+        fenced.await.map_err(|_| stopped())?
+    }
+}
+
+/// Records a batch in one statement. If it fails, each completion is tried
+/// on its own, so one completion's error is never another's.
+async fn record_batch(pool: &DbPool, writer: &str, batch: Vec<PendingCompletion>) {
+    let (completions, answers): (Vec<Completion>, Vec<_>) =
+        batch.into_iter().map(|p| (p.completion, p.answer)).unzip();
+    match record_together(pool, writer, &completions).await {
+        Ok(outcomes) => {
+            for (answer, fenced) in answers.into_iter().zip(outcomes) {
+                let _ = answer.send(Ok(fenced));
+            }
+        }
+        Err(e) if completions.len() == 1 => {
+            let _ = answers.into_iter().next().map(|a| a.send(Err(e)));
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, size = completions.len(), "batched completion failed; recording one by one");
+            for (completion, answer) in completions.iter().zip(answers) {
+                let alone = record_together(pool, writer, std::slice::from_ref(completion)).await;
+                let _ = answer.send(alone.map(|fenced| fenced[0]));
+            }
+        }
+    }
+}
+
+async fn record_together(
+    pool: &DbPool,
+    writer: &str,
+    completions: &[Completion],
+) -> Result<Vec<Fenced>, DbError> {
+    let client = pool.get().await?;
+    issue::complete(&client, completions, writer).await
 }
 
 /// Extends the lease every third of its length; returns when the claim is

@@ -15,8 +15,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use common::{until_sql, within, TestDb};
+use deadpool_postgres::GenericClient;
 use newsnack::db::issue::{
-    claim_issues, complete, fail, heartbeat, reap_expired, ClaimScope, Fenced, RetryPolicy,
+    claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
 };
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use reqwest::{Method, StatusCode};
@@ -693,7 +694,7 @@ async fn issue_state(
 async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
     let db = TestDb::new().await;
     let id = db.add_issues(1).await[0];
-    let mut client = db.pool.get().await.unwrap();
+    let client = db.pool.get().await.unwrap();
     let sql = db.raw().await;
     let short = Duration::from_secs(1);
 
@@ -716,7 +717,7 @@ async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
     let reaped = issue_state(&db, id).await;
     assert!(!heartbeat(&client, id, old_claim, short).await.unwrap());
     assert_eq!(
-        complete(&mut client, id, old_claim, "late", "late body", "late")
+        complete(&client, id, old_claim, "late", "late body", "late")
             .await
             .unwrap(),
         Fenced::Lost
@@ -753,16 +754,9 @@ async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
 
     // The late worker finishes now: neither outcome lands.
     assert_eq!(
-        complete(
-            &mut client,
-            id,
-            old_claim,
-            "late headline",
-            "late body",
-            "late"
-        )
-        .await
-        .unwrap(),
+        complete(&client, id, old_claim, "late headline", "late body", "late")
+            .await
+            .unwrap(),
         Fenced::Lost
     );
     assert_eq!(
@@ -795,13 +789,13 @@ async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
 
     // The current claim still writes, once.
     assert_eq!(
-        complete(&mut client, id, new_claim, "headline", "body", "offline")
+        complete(&client, id, new_claim, "headline", "body", "offline")
             .await
             .unwrap(),
         Fenced::Written
     );
     assert_eq!(
-        complete(&mut client, id, new_claim, "again", "again", "offline")
+        complete(&client, id, new_claim, "again", "again", "offline")
             .await
             .unwrap(),
         Fenced::Lost,
@@ -831,7 +825,7 @@ async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
     let ids = db.add_issues(5).await;
     let (beating, completed, expired, beating_now, completing_now) =
         (ids[0], ids[1], ids[2], ids[3], ids[4]);
-    let mut client = db.pool.get().await.unwrap();
+    let client = db.pool.get().await.unwrap();
     let sql = db.raw().await;
     let short = Duration::from_secs(1);
     let claims: HashMap<i64, i64> = claim_issues(&client, &ids, "w", short, ClaimScope::Claimable)
@@ -843,16 +837,9 @@ async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
         .collect();
     assert_eq!(claims.len(), 5);
     assert_eq!(
-        complete(
-            &mut client,
-            completed,
-            claims[&completed],
-            "h",
-            "b",
-            "offline"
-        )
-        .await
-        .unwrap(),
+        complete(&client, completed, claims[&completed], "h", "b", "offline")
+            .await
+            .unwrap(),
         Fenced::Written
     );
     // Every live lease has run out...
@@ -935,7 +922,7 @@ async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
     // The heartbeated claims are still their workers' to finish.
     for id in [beating, beating_now] {
         assert_eq!(
-            complete(&mut client, id, claims[&id], "h", "b", "offline")
+            complete(&client, id, claims[&id], "h", "b", "offline")
                 .await
                 .unwrap(),
             Fenced::Written
@@ -1079,5 +1066,180 @@ async fn show_health_and_readiness_answer_in_shape() {
     let (status, ready) = send(&http, Method::GET, &format!("{base}/readyz"), None, None).await;
     assert_eq!(status, StatusCode::OK, "{ready}");
     assert_eq!(ready, json!({ "database": true, "listener": true }));
+    service.stop().await.unwrap();
+}
+
+/// Completes one claim through the batched statement.
+async fn complete(
+    client: &impl GenericClient,
+    id: i64,
+    claim_id: i64,
+    headline: &str,
+    body: &str,
+    writer: &str,
+) -> Result<Fenced, newsnack::db::DbError> {
+    let completion = Completion {
+        id,
+        claim_id,
+        headline: headline.into(),
+        body: body.into(),
+    };
+    let fenced = newsnack::db::issue::complete(client, &[completion], writer).await?;
+    Ok(fenced[0])
+}
+
+#[tokio::test]
+async fn a_batch_of_completions_writes_the_current_claims_and_fences_the_rest() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(4).await;
+    let client = db.pool.get().await.unwrap();
+    let claims: std::collections::HashMap<i64, i64> = claim_issues(
+        &client,
+        &ids,
+        "w",
+        Duration::from_secs(60),
+        ClaimScope::Claimable,
+    )
+    .await
+    .unwrap()
+    .claimed
+    .iter()
+    .map(|c| (c.id, c.claim_id))
+    .collect();
+    let completion = |id: i64, claim_id: i64| Completion {
+        id,
+        claim_id,
+        headline: format!("headline {id}/{claim_id}"),
+        body: "body".into(),
+    };
+    // ids[3] was taken away from its worker before the batch commits.
+    client
+        .execute(
+            "UPDATE issue SET processing_status = 'FAILED', last_error = 'by hand' WHERE id = $1",
+            &[&ids[3]],
+        )
+        .await
+        .unwrap();
+    let batch = [
+        completion(ids[0], claims[&ids[0]]),
+        completion(ids[1], claims[&ids[1]] + 1000), // a stale fencing token
+        completion(ids[2], claims[&ids[2]]),
+        completion(ids[3], claims[&ids[3]]),
+    ];
+    assert_eq!(
+        newsnack::db::issue::complete(&client, &batch, "offline")
+            .await
+            .unwrap(),
+        vec![Fenced::Written, Fenced::Lost, Fenced::Written, Fenced::Lost]
+    );
+    let rows = client
+        .query(
+            "SELECT i.id, i.processing_status, a.headline
+               FROM issue i LEFT JOIN ai_article a ON a.issue_id = i.id
+              WHERE i.id = ANY($1) ORDER BY i.id",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    let got: Vec<(i64, String, Option<String>)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (
+                ids[0],
+                "DONE".into(),
+                Some(format!("headline {}/{}", ids[0], claims[&ids[0]]))
+            ),
+            (ids[1], "IN_PROGRESS".into(), None),
+            (
+                ids[2],
+                "DONE".into(),
+                Some(format!("headline {}/{}", ids[2], claims[&ids[2]]))
+            ),
+            (ids[3], "FAILED".into(), None),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_for_issues_known_done_are_answered_without_the_database() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    sql.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .unwrap();
+    let service = db.serve("done-cache", offline()).await;
+    let url = format!("http://{}/ai-articles", service.addr);
+    let http = reqwest::Client::new();
+    let ids = db.add_issues(4).await;
+    let post = |ids: Vec<i64>| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            send(
+                &http,
+                Method::POST,
+                &url,
+                Some("application/json"),
+                body(json!({ "issue_ids": ids })),
+            )
+            .await
+        }
+    };
+    let (status, _) = post(ids[..3].to_vec()).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+    let claim_statements = "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND query LIKE '%claimable AS MATERIALIZED%'";
+    let calls = || async {
+        sql.query_one(claim_statements, &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    // The service learns of the completions from the listener, a moment
+    // after they commit: ask until an answer needs no claim statement.
+    within(30, "a claim answered from what the service knows", async {
+        loop {
+            let before = calls().await;
+            let (status, answer) = post(ids[..3].to_vec()).await;
+            assert_eq!(status, StatusCode::CONFLICT, "{answer}");
+            if calls().await == before {
+                break;
+            }
+        }
+    })
+    .await;
+    let before = calls().await;
+    for _ in 0..20 {
+        let (status, answer) = post(vec![ids[2], ids[0]]).await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(answer["claimed"], json!([]));
+        assert_eq!(answer["skipped"], json!([ids[0], ids[2]]));
+        assert!(answer["error"].is_string());
+    }
+    assert_eq!(
+        calls().await,
+        before,
+        "no claim statement for known-DONE ids"
+    );
+
+    // A mixed request claims the open issue through the database and still
+    // lists the finished ones as skipped.
+    let (status, answer) = post(vec![ids[3], ids[1], ids[0]]).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert_eq!(answer["claimed"], json!([ids[3]]));
+    assert_eq!(answer["skipped"], json!([ids[0], ids[1]]));
+    assert_eq!(calls().await, before + 1);
+    until_sql(&db, &service.hub, 30, "SELECT count(*) = 4 FROM ai_article").await;
     service.stop().await.unwrap();
 }

@@ -297,38 +297,69 @@ pub enum Fenced {
     Lost,
 }
 
-/// Completes a claim in one transaction: sets `DONE` and stores the article,
-/// only if the issue is still `IN_PROGRESS` under this very claim.
+/// A finished article for a claim, to be recorded as `DONE`.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub id: i64,
+    /// The fencing token of the claim that wrote it.
+    pub claim_id: i64,
+    pub headline: String,
+    pub body: String,
+}
+
+/// Completes claims in one statement (so one transaction): each issue that
+/// is still `IN_PROGRESS` under its very claim is set `DONE` and its article
+/// stored; the others are left alone. Answers in the order given.
 pub async fn complete(
-    client: &mut deadpool_postgres::Client,
-    id: i64,
-    claim_id: i64,
-    headline: &str,
-    body: &str,
+    client: &impl GenericClient,
+    completions: &[Completion],
     writer: &str,
-) -> Result<Fenced, DbError> {
-    let tx = client.transaction().await?;
-    // Locks the row first, so no reaper or late worker can interleave.
-    let done = tx
+) -> Result<Vec<Fenced>, DbError> {
+    let statement = client
         .prepare_cached(
-            "UPDATE issue SET processing_status = 'DONE'
-              WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS'",
+            "WITH input AS (
+                 SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[])
+                          AS t(id, claim_id, headline, body)
+             ), done AS (
+                 UPDATE issue i SET processing_status = 'DONE'
+                   FROM input
+                  WHERE i.id = input.id AND i.claim_id = input.claim_id
+                    AND i.processing_status = 'IN_PROGRESS'
+              RETURNING i.id, i.claim_id
+             )
+             INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
+             SELECT d.id, input.headline, input.body, $5, d.claim_id
+               FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
+          RETURNING issue_id, claim_id",
         )
         .await?;
-    if tx.execute(&done, &[&id, &claim_id]).await? == 0 {
-        tx.rollback().await?;
-        return Ok(Fenced::Lost);
-    }
-    let insert = tx
-        .prepare_cached(
-            "INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
-             VALUES ($1, $2, $3, $4, $5)",
+    let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
+    let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
+    let written: BTreeSet<(i64, i64)> = client
+        .query(
+            &statement,
+            &[
+                &column(|c| c.id),
+                &column(|c| c.claim_id),
+                &text(|c| &c.headline),
+                &text(|c| &c.body),
+                &writer,
+            ],
         )
-        .await?;
-    tx.execute(&insert, &[&id, &headline, &body, &writer, &claim_id])
-        .await?;
-    tx.commit().await?;
-    Ok(Fenced::Written)
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    Ok(completions
+        .iter()
+        .map(|c| {
+            if written.contains(&(c.id, c.claim_id)) {
+                Fenced::Written
+            } else {
+                Fenced::Lost
+            }
+        })
+        .collect())
 }
 
 /// Whether and when a failed issue may be retried automatically.

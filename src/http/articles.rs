@@ -2,6 +2,9 @@
 //! (`PENDING` or `FAILED`, not locked by a concurrent claim) are claimed
 //! through `SKIP LOCKED` and handed to this instance's generator; the
 //! answer is 202 with what was claimed and skipped, or 409 when nothing was.
+//! Ids the instance already knows to be `DONE` ([`crate::done_issues`]) are
+//! skipped without asking the database; a request for nothing else is
+//! answered 409 at once.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -34,22 +37,35 @@ pub async fn request_articles(
     ApiJson(request): ApiJson<ArticleRequest>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     input::check_ids("issue_ids", &request.issue_ids)?;
-    let settings = state.settings.get().await?;
-    let outcome = state
-        .claimer
-        .claim(request.issue_ids, settings.lease(), ClaimScope::Claimable)
-        .await?;
+    let (open, done) = state.done.split(&request.issue_ids);
+    if !done.is_empty() {
+        crate::metrics::claims_skipped_known_done(done.len());
+    }
+    let (claimed, mut skipped) = if open.is_empty() {
+        (Vec::new(), done)
+    } else {
+        let settings = state.settings.get().await?;
+        let outcome = state
+            .claimer
+            .claim(open, settings.lease(), ClaimScope::Claimable)
+            .await?;
+        let mut skipped = outcome.skipped;
+        skipped.extend(done);
+        (outcome.claimed, skipped)
+    };
+    skipped.sort_unstable();
+    skipped.dedup();
     let body = serde_json::json!({
-        "claimed": outcome.claimed_ids(),
-        "skipped": outcome.skipped,
+        "claimed": claimed.iter().map(|c| c.id).collect::<Vec<_>>(),
+        "skipped": skipped,
     });
-    if outcome.claimed.is_empty() {
+    if claimed.is_empty() {
         return Err(ApiError::Conflict(
             "none of the requested issues is claimable (each is in progress, done, or unknown)"
                 .into(),
             body,
         ));
     }
-    state.generator.submit(outcome.claimed);
+    state.generator.submit(claimed);
     Ok((StatusCode::ACCEPTED, Json(body)))
 }

@@ -33,6 +33,7 @@ pub use error::ApiError;
 
 use crate::claim::Claimer;
 use crate::db::DbPool;
+use crate::done_issues::DoneIssues;
 use crate::listener::TransitionHub;
 use crate::settings::SettingsCache;
 use crate::worker::GeneratorHandle;
@@ -46,6 +47,8 @@ pub struct AppState {
     pub pool: DbPool,
     pub hub: TransitionHub,
     pub claimer: Claimer,
+    /// Issues known to be `DONE`: claims for nothing else skip the database.
+    pub done: DoneIssues,
     pub generator: GeneratorHandle,
     pub settings: Arc<SettingsCache>,
     /// Cancelled on shutdown: long requests (waits) end with 503.
