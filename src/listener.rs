@@ -82,6 +82,8 @@ struct HubInner {
     status: watch::Receiver<ListenerStatus>,
     settings_changed: watch::Receiver<u64>,
     pool: DbPool,
+    /// Stops the listener when the last hub is dropped.
+    _stop_listener: tokio_util::sync::DropGuard,
 }
 
 impl TransitionHub {
@@ -145,7 +147,8 @@ enum SessionEnd {
 }
 
 impl Listener {
-    /// Connects, starts listening, and spawns the listener task. Publishing
+    /// Connects, starts listening, and runs the listener on a thread of its
+    /// own until `shutdown` or until the last hub is dropped. Publishing
     /// starts after the newest `seq` in the log at start-up; history is read
     /// through [`TransitionHub::stream_after`]. Fails if the first connection
     /// fails, so a bad URL is reported at start-up rather than retried.
@@ -166,18 +169,64 @@ impl Listener {
             settings_changed: settings_tx,
             last_seq: 0,
         };
-        let session = listener.connect().await?;
-        listener.last_seq = db::transition::last_seq(&session.client).await?;
-        listener.mark_connected(&session);
+        let stop = shutdown.child_token();
+        let stop_listener = stop.clone().drop_guard();
+        // The listener runs on a thread of its own, so a busy runtime (say,
+        // hundreds of SSE streams being written) never queues the intake of
+        // notifications behind other tasks.
+        let (ready_tx, ready) = tokio::sync::oneshot::channel::<Result<(), DbError>>();
+        let (ended_tx, ended) = tokio::sync::oneshot::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name("newsnack-listener".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(DbError::Invalid(format!(
+                            "cannot start the listener's runtime: {e}"
+                        ))));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    let first = async {
+                        let session = listener.connect().await?;
+                        listener.last_seq = db::transition::last_seq(&session.client).await?;
+                        listener.mark_connected(&session);
+                        Ok::<_, DbError>(session)
+                    };
+                    match first.await {
+                        Ok(session) => {
+                            let _ = ready_tx.send(Ok(()));
+                            listener.run(session, stop).await;
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                        }
+                    }
+                });
+                let _ = ended_tx.send(());
+            })
+            .map_err(|e| DbError::Invalid(format!("cannot start the listener thread: {e}")))?;
+        drop(spawned);
+        ready.await.map_err(|_| {
+            DbError::Invalid("the listener thread ended before connecting".into())
+        })??;
         let hub = TransitionHub {
             inner: Arc::new(HubInner {
                 events,
                 status: status_rx,
                 settings_changed: settings_rx,
                 pool,
+                _stop_listener: stop_listener,
             }),
         };
-        let task = tokio::spawn(listener.run(session, shutdown));
+        let task = tokio::spawn(async move {
+            let _ = ended.await;
+        });
         Ok((hub, task))
     }
 
