@@ -290,7 +290,7 @@ async fn tail(url: &str, args: TailArgs) -> Result<ExitCode, CliError> {
     loop {
         let next = tokio::select! {
             _ = shutdown.cancelled() => return Ok(ExitCode::SUCCESS),
-            next = stream.next() => next,
+            next = stream.next_through_outages() => next,
         };
         let t = next.map_err(|e| CliError::Failed(e.to_string()))?;
         if args.status.is_some_and(|s| s != t.to) {

@@ -5,8 +5,9 @@
 //! (`issue_transition_is_legal` in `sql/0002_transitions.sql`), so an id seen
 //! entering `DONE` on the committed log can never be claimable again, and
 //! answering "not claimable" for it is exact however old the knowledge is.
-//! Only transitions announced by the database feed the set, never intentions,
-//! so a rolled-back completion is never recorded.
+//! Only committed facts feed the set — transitions announced by the database
+//! and statuses read from a snapshot — never intentions, so a rolled-back
+//! completion is never recorded.
 //!
 //! The set is a compressed bitmap (ids are mostly dense runs), bounded by
 //! [`MAX_IDS`]: past it, it starts over. Forgetting costs a database round
@@ -53,7 +54,8 @@ impl DoneIssues {
         done
     }
 
-    fn insert(&self, id: i64) {
+    /// Records an issue seen `DONE` in committed data.
+    pub fn insert(&self, id: i64) {
         let Ok(id) = u64::try_from(id) else { return };
         let mut ids = self.ids.lock().expect("never poisoned");
         if ids.len() >= MAX_IDS {

@@ -1,6 +1,7 @@
 //! The zero-configuration default: a private, throwaway PostgreSQL cluster
 //! started from the machine's server binaries on a free loopback port and
-//! stopped (and deleted) when dropped.
+//! stopped (and deleted) when dropped. [`EmbeddedPostgres::restart`] takes
+//! it down and up again in place, for fault-injection tests.
 //!
 //! `initdb` refuses to run as root, so under root the cluster is created and
 //! run as the `postgres` system user. The server is a child of a keeper
@@ -58,11 +59,77 @@ impl Default for EmbeddedOptions {
 pub struct EmbeddedPostgres {
     port: u16,
     dir: Option<tempfile::TempDir>,
+    /// How the server was launched, to launch it again on restart.
+    launch: Option<Launch>,
     stop: Option<mpsc::Sender<()>>,
     keeper: Option<JoinHandle<()>>,
 }
 
 const SUPERUSER: &str = "postgres";
+/// The server's log, in the cluster directory.
+const SERVER_LOG: &str = "server.log";
+
+/// How to launch the server of a cluster (again).
+struct Launch {
+    bin: PathBuf,
+    run_as: Option<(u32, u32)>,
+    options: EmbeddedOptions,
+}
+
+impl Launch {
+    /// Starts `postgres` on the cluster in `dir` at `port`, logging to a
+    /// fresh `server.log`, kept by a thread of its own.
+    fn spawn(
+        &self,
+        dir: &Path,
+        port: u16,
+    ) -> Result<(u32, mpsc::Sender<()>, JoinHandle<()>), EmbeddedError> {
+        let log_path = dir.join(SERVER_LOG);
+        let log = std::fs::File::create(&log_path)?;
+        if let Some((uid, gid)) = self.run_as {
+            std::os::unix::fs::chown(&log_path, Some(uid), Some(gid))?;
+        }
+        let mut server = Command::new(self.bin.join("postgres"));
+        server
+            .arg("-D")
+            .arg(dir.join("data"))
+            .arg("-p")
+            .arg(port.to_string())
+            .arg("-c")
+            .arg("listen_addresses=127.0.0.1")
+            .arg("-c")
+            .arg(format!("unix_socket_directories={}", dir.display()))
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if !self.options.durable {
+            server.args([
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+            ]);
+        }
+        for (name, value) in &self.options.settings {
+            server.arg("-c").arg(format!("{name}={value}"));
+        }
+        as_user(&mut server, self.run_as);
+        // SAFETY: prctl is async-signal-safe; it runs in the child after
+        // fork (and after the uid change, which would clear it).
+        unsafe {
+            server.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        spawn_kept(server)
+    }
+}
 
 impl EmbeddedPostgres {
     /// Creates and starts a cluster. Blocking: call it from a plain thread
@@ -75,7 +142,7 @@ impl EmbeddedPostgres {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
         }
         let data = dir.path().join("data");
-        let log_path = dir.path().join("server.log");
+        let log_path = dir.path().join(SERVER_LOG);
 
         let mut initdb = Command::new(bin.join("initdb"));
         initdb
@@ -101,61 +168,26 @@ impl EmbeddedPostgres {
             });
         }
 
+        let launch = Launch {
+            bin,
+            run_as,
+            options: options.clone(),
+        };
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port()?;
-            let log = std::fs::File::create(&log_path)?;
-            if let Some((uid, gid)) = run_as {
-                std::os::unix::fs::chown(&log_path, Some(uid), Some(gid))?;
-            }
-            let mut server = Command::new(bin.join("postgres"));
-            server
-                .arg("-D")
-                .arg(&data)
-                .arg("-p")
-                .arg(port.to_string())
-                .arg("-c")
-                .arg("listen_addresses=127.0.0.1")
-                .arg("-c")
-                .arg(format!("unix_socket_directories={}", dir.path().display()))
-                .current_dir(dir.path())
-                .stdin(Stdio::null())
-                .stdout(log.try_clone()?)
-                .stderr(log);
-            if !options.durable {
-                server.args([
-                    "-c",
-                    "fsync=off",
-                    "-c",
-                    "synchronous_commit=off",
-                    "-c",
-                    "full_page_writes=off",
-                ]);
-            }
-            for (name, value) in &options.settings {
-                server.arg("-c").arg(format!("{name}={value}"));
-            }
-            as_user(&mut server, run_as);
-            // SAFETY: prctl is async-signal-safe; it runs in the child after
-            // fork (and after the uid change, which would clear it).
-            unsafe {
-                server.pre_exec(|| {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-            let (child, stop, keeper) = spawn_kept(server)?;
+            let (child, stop, keeper) = launch.spawn(dir.path(), port)?;
             let mut cluster = EmbeddedPostgres {
                 port,
                 dir: None,
+                launch: None,
                 stop: Some(stop),
                 keeper: Some(keeper),
             };
             match wait_ready(&log_path, child) {
                 Ok(()) => {
                     cluster.dir = Some(dir);
+                    cluster.launch = Some(launch);
                     return Ok(cluster);
                 }
                 Err(e) => {
@@ -170,6 +202,26 @@ impl EmbeddedPostgres {
         Err(EmbeddedError::Step {
             step: "starting postgres",
             detail: last_error,
+        })
+    }
+
+    /// Restarts the server as `pg_ctl restart -m fast` does: a fast shutdown
+    /// (every session is disconnected, open transactions roll back), then a
+    /// start on the same data directory and port. Blocking.
+    pub fn restart(&mut self) -> Result<(), EmbeddedError> {
+        self.shutdown();
+        let (Some(dir), Some(launch)) = (&self.dir, &self.launch) else {
+            return Err(EmbeddedError::Step {
+                step: "restarting postgres",
+                detail: "the cluster was never started".into(),
+            });
+        };
+        let (child, stop, keeper) = launch.spawn(dir.path(), self.port)?;
+        self.stop = Some(stop);
+        self.keeper = Some(keeper);
+        wait_ready(&dir.path().join(SERVER_LOG), child).map_err(|detail| EmbeddedError::Step {
+            step: "restarting postgres",
+            detail,
         })
     }
 

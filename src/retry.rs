@@ -61,7 +61,7 @@ impl RetryScheduler {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return,
-                next = stream.next() => match next {
+                next = stream.next_through_outages() => match next {
                     Ok(t) => self.observe(&mut state, &t).await,
                     Err(e) => {
                         tracing::warn!(error = %e, "retry scheduler lost its transition stream");

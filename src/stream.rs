@@ -10,6 +10,7 @@
 //! that commits late.
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use tokio::sync::broadcast;
 
@@ -71,6 +72,25 @@ impl TransitionStream {
     /// The `seq` of the last transition delivered (or the starting point).
     pub fn last_seq(&self) -> i64 {
         self.last_seq
+    }
+
+    /// Like [`TransitionStream::next`], but rides out database outages: a
+    /// failed log read is retried with capped backoff (the stream resumes
+    /// where it was, so nothing is lost or repeated). Fails only when the
+    /// listener has stopped. For long-lived followers (the retry scheduler,
+    /// the tail).
+    pub async fn next_through_outages(&mut self) -> Result<Transition, StreamError> {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match self.next().await {
+                Err(StreamError::Db(e)) => {
+                    tracing::warn!(error = %e, retry_in = ?backoff, "cannot read the transition log; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// The next transition, waiting for one if need be. Cancel-safe: dropping

@@ -233,14 +233,23 @@ impl ArmedWait {
                     decision.handle(&WaitEvent::Deadline { done: self.done_count() });
                 }
                 Ok(()) = listener.changed() => {
-                    let now = listener.borrow_and_update().reconnects;
-                    if now != reconnects {
+                    let (now, connected) = {
+                        let status = listener.borrow_and_update();
+                        (status.reconnects, status.connected)
+                    };
+                    // Once the listener is back (and caught up), not while
+                    // the database is still out of reach.
+                    if connected && now != reconnects {
                         reconnects = now;
                         // Belt and braces: the stream already caught up from
                         // the log, but re-read the targets once.
-                        let (targets, _) = read_targets(&self.hub, &self.request.issue_ids).await?;
-                        self.targets = targets;
-                        decision.handle(&self.progress());
+                        match read_targets(&self.hub, &self.request.issue_ids).await {
+                            Ok((targets, _)) => {
+                                self.targets = targets;
+                                decision.handle(&self.progress());
+                            }
+                            Err(e) => tracing::warn!(error = %e, "could not re-read the wait's targets; following the stream"),
+                        }
                     }
                 }
             }

@@ -309,6 +309,9 @@ async fn record(
     }
 }
 
+/// Completion batches committing at once. One: every notifying commit
+/// queues behind the others, and claims should not wait behind several.
+const COMPLETION_LANES: usize = 1;
 /// Articles recorded together at most.
 const MAX_COMPLETIONS_PER_BATCH: usize = 128;
 
@@ -327,10 +330,11 @@ struct Completer {
 impl Completer {
     fn start(pool: DbPool, writer: &str) -> Completer {
         let writer: Arc<str> = writer.into();
-        let batches = GroupCommit::start(2, MAX_COMPLETIONS_PER_BATCH, move |batch| {
-            let (pool, writer) = (pool.clone(), writer.clone());
-            async move { record_batch(&pool, &writer, batch).await }
-        });
+        let batches =
+            GroupCommit::start(COMPLETION_LANES, MAX_COMPLETIONS_PER_BATCH, move |batch| {
+                let (pool, writer) = (pool.clone(), writer.clone());
+                async move { record_batch(&pool, &writer, batch).await }
+            });
         Completer { batches }
     }
 

@@ -6,11 +6,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::process::ServeProcess;
 use common::{until_sql, within, TestDb};
 use newsnack::writer::{self, SharedWriter, WriterConfig};
 
@@ -258,33 +257,15 @@ async fn the_llm_concurrency_cap_follows_the_setting() {
     service.stop().await.unwrap();
 }
 
-/// A `newsnack serve` process; its address is read from its stdout.
-struct ServeProcess {
-    child: Child,
-    addr: std::net::SocketAddr,
-}
-
 fn spawn_serve(db: &TestDb, name: &str, llm_url: &str) -> ServeProcess {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("serve")
-        .env("DATABASE_URL", &db.url)
-        .env("NEWSNACK_LISTEN", "127.0.0.1:0")
-        .env("NEWSNACK_INSTANCE", name)
-        .env("NEWSNACK_LLM_URL", llm_url)
-        .env("NEWSNACK_LLM_TIMEOUT_S", "5")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("serve printed its address").unwrap();
-        if let Some(rest) = line.strip_prefix("newsnack serving on http://") {
-            break rest.trim().parse().unwrap();
-        }
-    };
-    ServeProcess { child, addr }
+    ServeProcess::spawn(
+        &db.url,
+        name,
+        &[
+            ("NEWSNACK_LLM_URL", llm_url),
+            ("NEWSNACK_LLM_TIMEOUT_S", "5"),
+        ],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -314,8 +295,7 @@ async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
         "SELECT count(*) >= 5 FROM issue WHERE processing_status = 'DONE' AND claimed_by = 'victim'",
     )
     .await;
-    victim.child.kill().unwrap();
-    victim.child.wait().unwrap();
+    victim.kill();
     let stranded = db
         .scalar_i64("SELECT count(*) FROM issue WHERE processing_status = 'IN_PROGRESS' AND claimed_by = 'victim'")
         .await;
@@ -357,11 +337,8 @@ async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
         "every article was written under the issue's final claim"
     );
     // The survivor shuts down cleanly on SIGTERM.
-    unsafe {
-        libc::kill(survivor.child.id() as i32, libc::SIGTERM);
-    }
     let status = within(30, "the survivor to exit", async {
-        tokio::task::block_in_place(|| survivor.child.wait().unwrap())
+        tokio::task::block_in_place(|| survivor.terminate())
     })
     .await;
     assert!(status.success(), "{status:?}");

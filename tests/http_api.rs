@@ -1164,17 +1164,47 @@ async fn a_batch_of_completions_writes_the_current_claims_and_fences_the_rest() 
     );
 }
 
+/// Calls, in this database, of the claim statement and of the lock-free
+/// status read that precedes it.
+async fn claim_path_statements(sql: &tokio_postgres::Client) -> (i64, i64) {
+    let row = sql
+        .query_one(
+            "SELECT COALESCE(sum(calls) FILTER (WHERE query LIKE '%claimable AS MATERIALIZED%'), 0)::bigint,
+                    COALESCE(sum(calls) FILTER (WHERE query LIKE 'SELECT id, processing_status FROM issue WHERE id = ANY%'), 0)::bigint
+               FROM pg_stat_statements
+              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claims_for_issues_known_done_are_answered_without_the_database() {
+async fn hopeless_claims_skip_the_claim_path_and_known_done_ids_skip_the_database() {
     let db = TestDb::new().await;
     let sql = db.raw().await;
     sql.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         .await
         .unwrap();
+    let ids = db.add_issues(6).await;
+    // ids[4] is DONE and ids[5] IN_PROGRESS before the service starts, so
+    // it has never heard of either.
+    sql.execute(
+        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
+        &[&vec![ids[4], ids[5]]],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status = 'DONE' WHERE id = $1",
+        &[&ids[4]],
+    )
+    .await
+    .unwrap();
     let service = db.serve("done-cache", offline()).await;
     let url = format!("http://{}/ai-articles", service.addr);
     let http = reqwest::Client::new();
-    let ids = db.add_issues(4).await;
     let post = |ids: Vec<i64>| {
         let (http, url) = (http.clone(), url.clone());
         async move {
@@ -1188,49 +1218,52 @@ async fn claims_for_issues_known_done_are_answered_without_the_database() {
             .await
         }
     };
+
+    // Nothing claimable: one status read, no claim statement; the DONE one
+    // is remembered from that read, so asking for it alone needs nothing.
+    let before = claim_path_statements(&sql).await;
+    let (status, answer) = post(vec![ids[5], ids[4]]).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{answer}");
+    assert_eq!(answer["skipped"], json!([ids[4], ids[5]]));
+    assert_eq!(claim_path_statements(&sql).await, (before.0, before.1 + 1));
+    let (status, _) = post(vec![ids[4]]).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(claim_path_statements(&sql).await, (before.0, before.1 + 1));
+
+    // Completions by the service are learnt from the listener, a moment
+    // after they commit: ask until an answer needs no statement at all.
     let (status, _) = post(ids[..3].to_vec()).await;
     assert_eq!(status, StatusCode::ACCEPTED);
     until_sql(
         &db,
         &service.hub,
         30,
-        "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
+        "SELECT count(*) = 4 FROM issue WHERE processing_status = 'DONE'",
     )
     .await;
-    let claim_statements = "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
-          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND query LIKE '%claimable AS MATERIALIZED%'";
-    let calls = || async {
-        sql.query_one(claim_statements, &[])
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-    };
-    // The service learns of the completions from the listener, a moment
-    // after they commit: ask until an answer needs no claim statement.
     within(30, "a claim answered from what the service knows", async {
         loop {
-            let before = calls().await;
+            let before = claim_path_statements(&sql).await;
             let (status, answer) = post(ids[..3].to_vec()).await;
             assert_eq!(status, StatusCode::CONFLICT, "{answer}");
-            if calls().await == before {
+            if claim_path_statements(&sql).await == before {
                 break;
             }
         }
     })
     .await;
-    let before = calls().await;
+    let before = claim_path_statements(&sql).await;
     for _ in 0..20 {
-        let (status, answer) = post(vec![ids[2], ids[0]]).await;
+        let (status, answer) = post(vec![ids[2], ids[0], ids[4]]).await;
         assert_eq!(status, StatusCode::CONFLICT);
         assert_eq!(answer["claimed"], json!([]));
-        assert_eq!(answer["skipped"], json!([ids[0], ids[2]]));
+        assert_eq!(answer["skipped"], json!([ids[0], ids[2], ids[4]]));
         assert!(answer["error"].is_string());
     }
     assert_eq!(
-        calls().await,
+        claim_path_statements(&sql).await,
         before,
-        "no claim statement for known-DONE ids"
+        "no statement for known-DONE ids"
     );
 
     // A mixed request claims the open issue through the database and still
@@ -1239,7 +1272,10 @@ async fn claims_for_issues_known_done_are_answered_without_the_database() {
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
     assert_eq!(answer["claimed"], json!([ids[3]]));
     assert_eq!(answer["skipped"], json!([ids[0], ids[1]]));
-    assert_eq!(calls().await, before + 1);
+    assert_eq!(
+        claim_path_statements(&sql).await,
+        (before.0 + 1, before.1 + 1)
+    );
     until_sql(&db, &service.hub, 30, "SELECT count(*) = 4 FROM ai_article").await;
     service.stop().await.unwrap();
 }

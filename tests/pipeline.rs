@@ -5,11 +5,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::Arc;
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::process::ServeProcess;
 use common::{until_sql, TestDb};
 use newsnack::writer::OfflineWriter;
 
@@ -236,28 +236,8 @@ async fn a_setting_changed_with_sql_changes_the_next_scheduled_run() {
     service.stop().await.unwrap();
 }
 
-struct ServeProcess {
-    child: Child,
-}
-
 fn spawn_serve(db: &TestDb, name: &str) -> ServeProcess {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("serve")
-        .env("DATABASE_URL", &db.url)
-        .env("NEWSNACK_LISTEN", "127.0.0.1:0")
-        .env("NEWSNACK_INSTANCE", name)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    while let Some(Ok(line)) = lines.next() {
-        if line.starts_with("newsnack serving on") {
-            break;
-        }
-    }
-    ServeProcess { child }
+    ServeProcess::spawn(&db.url, name, &[])
 }
 
 /// Advisory locks held by sessions that are not dedicated lock sessions
@@ -312,8 +292,7 @@ async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
     } else {
         (&mut b, "alpha")
     };
-    victim.child.kill().unwrap();
-    victim.child.wait().unwrap();
+    victim.kill();
     let killed_at = db
         .scalar_i64("SELECT (extract(epoch FROM now()) * 1000)::bigint")
         .await;
@@ -346,10 +325,7 @@ async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
     } else {
         &mut b
     };
-    unsafe {
-        libc::kill(survivor.child.id() as i32, libc::SIGTERM);
-    }
-    let status = tokio::task::block_in_place(|| survivor.child.wait().unwrap());
+    let status = tokio::task::block_in_place(|| survivor.terminate());
     assert!(status.success());
     stop.cancel();
 }

@@ -175,6 +175,29 @@ pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status,
     Ok(counts)
 }
 
+/// The current status of each requested issue that exists, read from one
+/// snapshot without locking anything.
+pub async fn statuses(
+    client: &impl GenericClient,
+    ids: &[i64],
+) -> Result<Vec<(i64, Status)>, DbError> {
+    let statement = client
+        .prepare_cached("SELECT id, processing_status FROM issue WHERE id = ANY($1)")
+        .await?;
+    client
+        .query(&statement, &[&ids])
+        .await?
+        .iter()
+        .map(|r| {
+            let status: &str = r.get(1);
+            status
+                .parse()
+                .map(|s| (r.get(0), s))
+                .map_err(|e: crate::status::UnknownStatus| DbError::Invalid(e.to_string()))
+        })
+        .collect()
+}
+
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
 /// token, counts the attempt, records the holder and the lease deadline.

@@ -1,15 +1,21 @@
 //! The one error type of the HTTP API: every failure becomes a status code
 //! and a `{"error": "..."}` body. Internal details are logged, never sent.
+//! A 503 (no database connection within the pool's wait timeout, the
+//! database down, or shutdown) also says `Retry-After: 1`: the condition is
+//! usually over in moments, and the request changed nothing.
 
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{FromRequest, Request};
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
 
 use crate::db::DbError;
 use crate::input::InvalidInput;
+
+/// The `Retry-After` of a 503, in seconds.
+pub const RETRY_AFTER_S: &str = "1";
 
 /// An API failure.
 #[derive(Debug)]
@@ -20,7 +26,8 @@ pub enum ApiError {
     Conflict(String, serde_json::Value),
     NotFound(String),
     Unauthorized,
-    /// 503: the database is out of reach or out of connections.
+    /// 503 with `Retry-After`: the database is out of reach or out of
+    /// connections.
     Unavailable(String),
     /// 500: logged in full, answered briefly.
     Internal(String),
@@ -57,10 +64,9 @@ impl IntoResponse for ApiError {
             ),
             ApiError::Unavailable(message) => {
                 tracing::warn!(%message, "answering 503");
-                (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    serde_json::json!({ "error": "the database is busy or unreachable; try again" }),
-                )
+                let body = serde_json::json!({ "error": "the database is busy or unreachable; try again" });
+                let retry_after = [(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S))];
+                return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
             }
             ApiError::Internal(message) => {
                 tracing::error!(%message, "answering 500");
@@ -118,5 +124,26 @@ where
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let Json(value) = Json::<T>::from_request(req, state).await?;
         Ok(ApiJson(value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_exhausted_pool_answers_503_with_retry_after_and_a_json_error() {
+        let exhausted = DbError::Pool(deadpool_postgres::PoolError::Timeout(
+            deadpool_postgres::TimeoutType::Wait,
+        ));
+        assert!(exhausted.is_pool_exhausted());
+        let response = ApiError::from(exhausted).into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[header::RETRY_AFTER], RETRY_AFTER_S);
+        let body = axum::body::to_bytes(response.into_body(), 1024)
+            .await
+            .unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert!(body["error"].as_str().unwrap().contains("try again"));
     }
 }

@@ -1,7 +1,9 @@
 //! A local fake of an OpenAI-compatible chat-completions server, for tests:
 //! an axum server on 127.0.0.1 (a free port) that answers every
 //! `POST /v1/chat/completions` as a test script says, and records what it
-//! was sent (count, last request body, last `Authorization` header).
+//! was sent (count, last request body, last `Authorization` header). It
+//! can be stopped (connections refused) and restarted on the same address,
+//! to play an LLM that is down for a while.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -57,7 +59,8 @@ struct Shared {
     max_in_flight: AtomicU64,
     last_authorization: Mutex<Option<String>>,
     last_request: Mutex<Option<Value>>,
-    stopping: CancellationToken,
+    /// Cancelled when the current run of the server stops.
+    stopping: Mutex<CancellationToken>,
 }
 
 /// A running fake; stops when dropped.
@@ -80,7 +83,7 @@ impl FakeLlm {
             max_in_flight: AtomicU64::new(0),
             last_authorization: Mutex::new(None),
             last_request: Mutex::new(None),
-            stopping: CancellationToken::new(),
+            stopping: Mutex::new(CancellationToken::new()),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -88,22 +91,24 @@ impl FakeLlm {
         let addr = listener
             .local_addr()
             .expect("local address of the fake LLM");
-        let router = Router::new()
-            .route("/v1/chat/completions", post(chat_completions))
-            .with_state(shared.clone());
-        let stopping = shared.stopping.clone();
-        let server = tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(stopping.cancelled_owned())
-                .await
-                .expect("run the fake LLM server");
-        });
+        let server = serve(listener, shared.clone());
         FakeLlm {
             url: format!("http://{addr}/v1"),
             addr,
             shared,
             server: Mutex::new(Some(server)),
         }
+    }
+
+    /// Listens again on the same address after [`FakeLlm::stopped`], with
+    /// the same script and counters.
+    pub async fn restarted(&self) {
+        *self.shared.stopping.lock().unwrap() = CancellationToken::new();
+        let listener = tokio::net::TcpListener::bind(self.addr)
+            .await
+            .expect("bind the fake LLM server again");
+        let server = serve(listener, self.shared.clone());
+        *self.server.lock().unwrap() = Some(server);
     }
 
     /// A fake that answers every request with `content`.
@@ -135,7 +140,7 @@ impl FakeLlm {
     /// Stops the server: the port stops listening and hanging requests end.
     /// Returns at once; [`FakeLlm::stopped`] waits until it is done.
     pub fn stop(&self) {
-        self.shared.stopping.cancel();
+        self.shared.stopping.lock().unwrap().cancel();
     }
 
     /// Stops the server and waits until it no longer accepts connections
@@ -151,8 +156,22 @@ impl FakeLlm {
 
 impl Drop for FakeLlm {
     fn drop(&mut self) {
-        self.shared.stopping.cancel();
+        self.stop();
     }
+}
+
+/// Runs the server on `listener` until the current stopping token fires.
+fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) -> JoinHandle<()> {
+    let stopping = shared.stopping.lock().unwrap().clone();
+    let router = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(shared);
+    tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(stopping.cancelled_owned())
+            .await
+            .expect("run the fake LLM server");
+    })
 }
 
 async fn chat_completions(
@@ -172,11 +191,12 @@ async fn chat_completions(
     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     *shared.last_request.lock().unwrap() = Some(request.clone());
 
+    let stopping = shared.stopping.lock().unwrap().clone();
     let mut reply = (shared.script)(n, &request);
     if let Reply::Slow { delay, content } = reply {
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
-            _ = shared.stopping.cancelled() => {}
+            _ = stopping.cancelled() => {}
         }
         reply = Reply::Ok(content);
     }
@@ -210,7 +230,7 @@ async fn chat_completions(
         )
             .into_response(),
         Reply::Hang => {
-            shared.stopping.cancelled().await;
+            stopping.cancelled().await;
             (StatusCode::SERVICE_UNAVAILABLE, "fake LLM stopped").into_response()
         }
         Reply::Malformed => (

@@ -5,7 +5,10 @@
 //! cloned from it, so tests run in parallel without seeing each other.
 #![allow(dead_code)]
 
+pub mod audit;
 pub mod fake_llm;
+pub mod process;
+pub mod subscribers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
