@@ -8,7 +8,7 @@
 //!    `/readyz`, sits idle for `BENCH_IDLE_SECONDS` (default 2), and its
 //!    `VmRSS`/`VmHWM` (and `Pss`) are read from `/proc/<pid>`.
 //! 2. **the seeds' workload over HTTP**: `BENCH_ISSUES` (default 2,000)
-//!    issues, `BENCH_CLIENTS` (default 16) keep-alive reqwest clients; each
+//!    issues, `BENCH_CLIENTS` (default 16) lean keep-alive HTTP/1.1 clients; each
 //!    posts every window of 5 consecutive ids (windows advancing by 2) to
 //!    `POST /ai-articles`, starting at its own offset, so most requests
 //!    overlap and get 409. The service runs in this process with the offline
@@ -329,12 +329,73 @@ async fn wait_for_done(hub: &TransitionHub, after_seq: i64, want: usize) -> Inst
     Instant::now()
 }
 
-fn reqwest_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .tcp_nodelay(true)
-        .pool_max_idle_per_host(1)
-        .build()
-        .unwrap()
+/// A lean keep-alive HTTP/1.1 client on one connection, so the load
+/// generator takes as little of the shared cores as it can (a full client
+/// stack costs about as much per request as the service does).
+struct LeanClient {
+    reader: tokio::io::BufReader<tokio::net::tcp::OwnedReadHalf>,
+    writer: tokio::net::tcp::OwnedWriteHalf,
+    host: String,
+}
+
+impl LeanClient {
+    /// Connects to the host of `url` (`http://ADDR/...`).
+    async fn connect(url: &str) -> LeanClient {
+        let host = url
+            .strip_prefix("http://")
+            .and_then(|rest| rest.split('/').next())
+            .expect("an http:// URL")
+            .to_string();
+        let stream = tokio::net::TcpStream::connect(&host).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (read, writer) = stream.into_split();
+        LeanClient {
+            reader: tokio::io::BufReader::new(read),
+            writer,
+            host,
+        }
+    }
+
+    /// Sends one request and reads the whole answer: status and body.
+    async fn request(&mut self, method: &str, url: &str, body: &[u8]) -> (u16, Vec<u8>) {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        let path = url
+            .strip_prefix("http://")
+            .and_then(|rest| rest.find('/').map(|i| &rest[i..]))
+            .unwrap_or("/");
+        let mut message = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            self.host,
+            body.len()
+        )
+        .into_bytes();
+        message.extend_from_slice(body);
+        self.writer.write_all(&message).await.unwrap();
+        let mut line = String::new();
+        self.reader.read_line(&mut line).await.unwrap();
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("not an HTTP status line: {line:?}"));
+        let mut length = None;
+        loop {
+            line.clear();
+            self.reader.read_line(&mut line).await.unwrap();
+            let header = line.trim_end();
+            if header.is_empty() {
+                break;
+            }
+            if let Some((name, value)) = header.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse::<usize>().ok();
+                }
+            }
+        }
+        let mut answer = vec![0; length.expect("a Content-Length")];
+        self.reader.read_exact(&mut answer).await.unwrap();
+        (status, answer)
+    }
 }
 
 /// What one client will post: (URL, ids) per request, in order.
@@ -362,7 +423,7 @@ struct ClientTally {
 /// was due, not sent, so a slow answer also counts against the requests it
 /// held up (no coordinated omission).
 async fn post_all(
-    http: reqwest::Client,
+    mut http: LeanClient,
     requests: Vec<(String, Vec<i64>)>,
     pace: Option<(Instant, Duration)>,
 ) -> ClientTally {
@@ -379,14 +440,8 @@ async fn post_all(
             }
             None => Instant::now(),
         };
-        let response = http
-            .post(&url)
-            .json(&json!({ "issue_ids": ids }))
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        let body = response.bytes().await.unwrap();
+        let request = serde_json::to_vec(&json!({ "issue_ids": ids })).unwrap();
+        let (status, body) = http.request("POST", &url, &request).await;
         let took_ms = sent.elapsed().as_secs_f64() * 1000.0;
         tally.latencies_ms.push(took_ms);
         *tally.statuses.entry(status).or_default() += 1;
@@ -425,11 +480,15 @@ async fn run_clients(plans: Vec<Plan>, rate: Option<f64>) -> (ClientTally, Insta
     for (c, requests) in plans.into_iter().enumerate() {
         let start = start.clone();
         tasks.push(client_runtime().spawn(async move {
-            let http = reqwest_client();
-            if let Some((url, _)) = requests.first() {
-                let origin = url.rsplit_once('/').map_or(url.as_str(), |(o, _)| o);
-                http.get(format!("{origin}/healthz")).send().await.unwrap();
-            }
+            let first = requests.first().map_or("", |(url, _)| url.as_str());
+            assert!(
+                requests.iter().all(|(url, _)| url == first),
+                "a client posts to one endpoint"
+            );
+            let mut http = LeanClient::connect(first).await;
+            let origin = first.rsplit_once('/').map_or(first, |(o, _)| o);
+            let (status, _) = http.request("GET", &format!("{origin}/healthz"), b"").await;
+            assert_eq!(status, 200);
             start.wait().await;
             // Paced clients take turns evenly: together, `rate` requests/s.
             let pace = rate.map(|rate| {
