@@ -32,6 +32,10 @@
 //! figures include the clients' cost.
 //! `BENCH_DURABLE=0` turns fsync off. Runs in well under three minutes.
 
+mod common;
+
+use common::{connect, knob, round1, round3};
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -54,13 +58,6 @@ const WINDOW: usize = 5;
 const STEP: usize = 2;
 const LEASE: Duration = Duration::from_secs(60);
 const SERVICE_POOL: usize = 16;
-
-fn knob(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 #[tokio::main]
 async fn main() {
@@ -760,20 +757,4 @@ async fn two_instances(
         "ids_claimed_twice": claimed_twice(&tally.claimed),
         "checks_after_all_done": checks,
     })
-}
-
-async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
-}
-
-fn round1(x: f64) -> f64 {
-    (x * 10.0).round() / 10.0
-}
-
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
 }

@@ -25,6 +25,10 @@
 //! share the machine's cores; the report carries the load average at the
 //! start, since anything else running skews the latencies.
 
+mod common;
+
+use common::{connect, knob, round1, round3};
+
 use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,13 +49,6 @@ const CHILD_URL: &str = "NEWSNACK_SSE_BENCH_URL";
 const CHILD_CLIENTS: &str = "NEWSNACK_SSE_BENCH_CLIENTS";
 /// The most transitions one paced transaction carries.
 const MAX_BATCH: u64 = 50;
-
-fn knob(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn main() {
     match std::env::var(CHILD_URL) {
@@ -579,20 +576,4 @@ fn percentile_ms(sorted_us: &[u64], p: f64) -> Option<f64> {
     let rank = ((p / 100.0) * sorted_us.len() as f64).ceil() as usize;
     let us = sorted_us[rank.clamp(1, sorted_us.len()) - 1];
     Some(round3(us as f64 / 1000.0))
-}
-
-async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
-}
-
-fn round1(x: f64) -> f64 {
-    (x * 10.0).round() / 10.0
-}
-
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
 }

@@ -10,6 +10,10 @@
 //! `cargo bench --bench transitions` (BENCH_SECONDS sets each phase's
 //! length, default 10). Uses a throwaway cluster with default durability.
 
+mod common;
+
+use common::{connect, round3};
+
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -220,18 +224,6 @@ fn pgbench_tps(cluster: &EmbeddedPostgres, seconds: u64) -> f64 {
         .unwrap_or_else(|| panic!("no tps in pgbench output: {out}"))
 }
 
-async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
-}
-
 fn round(x: f64) -> f64 {
     x.round()
-}
-
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
 }
