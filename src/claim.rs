@@ -1,11 +1,13 @@
 //! Claims with application-level group commit ([`crate::group_commit`]).
 //!
-//! Concurrent claim requests are run as one transaction per batch: each
-//! request is still its own `FOR NO KEY UPDATE SKIP LOCKED` statement with
-//! its own answer, but a batch pays for one commit. Within a batch, a later
-//! statement sees the earlier ones' claims (a transaction never skips its own
-//! locks; the status check excludes them), so no issue is handed out twice.
+//! Concurrent claim requests are merged: a batch is one `FOR NO KEY UPDATE
+//! SKIP LOCKED` statement (one round trip, one commit) over the union of the
+//! requests' ids, and each id claimed goes to the first request in the batch
+//! that asked for it. That is the answer the requests would get one after
+//! another: a later request would find the id `IN_PROGRESS`. A batch that
+//! claims nothing writes nothing, so hopeless requests cost one read.
 
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use futures::future::join_all;
@@ -68,45 +70,78 @@ impl Claimer {
     }
 }
 
-/// Runs a batch as one transaction, its statements pipelined. If anything
-/// fails, the batch is rolled back and each request is retried on its own,
-/// so one request's error is never another's.
+/// Runs a batch: one claim statement (its own transaction) per kind of
+/// request, over the union of their ids, split back by first requester. If a
+/// statement fails, its requests are retried one by one, so one request's
+/// error is never another's.
 async fn run_batch(pool: &DbPool, worker: &str, batch: Vec<ClaimRequest>) {
-    if batch.len() > 1 {
-        match claim_together(pool, worker, &batch).await {
+    let mut kinds: Vec<Vec<ClaimRequest>> = Vec::new();
+    for request in batch {
+        match kinds
+            .iter_mut()
+            .find(|k| k[0].lease == request.lease && k[0].scope == request.scope)
+        {
+            Some(kind) => kind.push(request),
+            None => kinds.push(vec![request]),
+        }
+    }
+    join_all(kinds.into_iter().map(|kind| run_kind(pool, worker, kind))).await;
+}
+
+async fn run_kind(pool: &DbPool, worker: &str, requests: Vec<ClaimRequest>) {
+    if requests.len() > 1 {
+        match claim_together(pool, worker, &requests).await {
             Ok(outcomes) => {
-                for (request, outcome) in batch.into_iter().zip(outcomes) {
+                for (request, outcome) in requests.into_iter().zip(outcomes) {
                     let _ = request.answer.send(Ok(outcome));
                 }
                 return;
             }
             Err(e) => {
-                tracing::debug!(error = %e, size = batch.len(), "batched claim failed; claiming one by one")
+                tracing::debug!(error = %e, size = requests.len(), "batched claim failed; claiming one by one")
             }
         }
     }
-    for request in batch {
+    for request in requests {
         let result = claim_alone(pool, worker, &request).await;
         let _ = request.answer.send(result);
     }
 }
 
+/// One statement for all of `requests` (same lease and scope). Each id goes
+/// to the first request that asked for it; the later ones see it skipped,
+/// exactly as if the requests had run one after another.
 async fn claim_together(
     pool: &DbPool,
     worker: &str,
-    batch: &[ClaimRequest],
+    requests: &[ClaimRequest],
 ) -> Result<Vec<ClaimOutcome>, DbError> {
-    let mut client = pool.get().await?;
-    let tx = client.transaction().await?;
-    let outcomes = join_all(
-        batch
+    let mut first_asker: HashMap<i64, usize> = HashMap::new();
+    for (n, request) in requests.iter().enumerate() {
+        for &id in &request.ids {
+            first_asker.entry(id).or_insert(n);
+        }
+    }
+    let all: Vec<i64> = first_asker.keys().copied().collect();
+    let (lease, scope) = (requests[0].lease, requests[0].scope);
+    let client = pool.get().await?;
+    let together = issue::claim_issues(&client, &all, worker, lease, scope).await?;
+    drop(client);
+    let done: HashSet<i64> = together.done.iter().copied().collect();
+    let mut outcomes: Vec<ClaimOutcome> = vec![ClaimOutcome::default(); requests.len()];
+    for claimed in together.claimed {
+        outcomes[first_asker[&claimed.id]].claimed.push(claimed);
+    }
+    for (request, outcome) in requests.iter().zip(&mut outcomes) {
+        let won: HashSet<i64> = outcome.claimed.iter().map(|c| c.id).collect();
+        let asked: BTreeSet<i64> = request.ids.iter().copied().collect();
+        outcome.skipped = asked
             .iter()
-            .map(|r| issue::claim_issues(&tx, &r.ids, worker, r.lease, r.scope)),
-    )
-    .await
-    .into_iter()
-    .collect::<Result<Vec<_>, _>>()?;
-    tx.commit().await?;
+            .copied()
+            .filter(|id| !won.contains(id))
+            .collect();
+        outcome.done = asked.into_iter().filter(|id| done.contains(id)).collect();
+    }
     Ok(outcomes)
 }
 

@@ -22,13 +22,29 @@ const LEASE: Duration = Duration::from_secs(60);
 #[derive(Clone, Copy)]
 enum Claimer {
     SkipLocked,
+    /// The service's path: concurrent requests merged into shared statements.
+    Merged,
     /// The seed's original bug: read the statuses, then update.
     ReadThenUpdate,
 }
 
-async fn claim_batch(pool: &DbPool, how: Claimer, ids: &[i64], worker: &str) -> Vec<i64> {
+async fn claim_batch(
+    pool: &DbPool,
+    merged: &newsnack::claim::Claimer,
+    how: Claimer,
+    ids: &[i64],
+    worker: &str,
+) -> Vec<i64> {
+    if let Claimer::Merged = how {
+        return merged
+            .claim(ids.to_vec(), LEASE, ClaimScope::Claimable)
+            .await
+            .unwrap()
+            .claimed_ids();
+    }
     let client = pool.get().await.unwrap();
     match how {
+        Claimer::Merged => unreachable!("answered above"),
         Claimer::SkipLocked => claim_issues(&client, ids, worker, LEASE, ClaimScope::Claimable)
             .await
             .unwrap()
@@ -64,9 +80,11 @@ async fn storm(db: &TestDb, how: Claimer) -> HashMap<i64, usize> {
     let ids = Arc::new(db.add_issues(ISSUES).await);
     let windows = ISSUES / BATCH;
     let start = Arc::new(Barrier::new(CLAIMERS));
+    let merged = newsnack::claim::Claimer::start(db.pool.clone(), "merged".into(), 2);
     let mut tasks = Vec::new();
     for c in 0..CLAIMERS {
         let (pool, ids, start) = (db.pool.clone(), ids.clone(), start.clone());
+        let merged = merged.clone();
         tasks.push(tokio::spawn(async move {
             let mut won = Vec::new();
             start.wait().await;
@@ -74,7 +92,7 @@ async fn storm(db: &TestDb, how: Claimer) -> HashMap<i64, usize> {
                 // Claimers overlap: neighbours share most of their windows.
                 let first = ((c * 3 + w) % windows) * BATCH;
                 let batch = &ids[first..first + BATCH];
-                won.extend(claim_batch(&pool, how, batch, &format!("claimer-{c}")).await);
+                won.extend(claim_batch(&pool, &merged, how, batch, &format!("claimer-{c}")).await);
             }
             won
         }));
@@ -90,8 +108,17 @@ async fn storm(db: &TestDb, how: Claimer) -> HashMap<i64, usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_of_overlapping_claims_claims_every_issue_exactly_once() {
+    exactly_once(Claimer::SkipLocked).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_storm_through_merged_statements_claims_every_issue_exactly_once() {
+    exactly_once(Claimer::Merged).await;
+}
+
+async fn exactly_once(how: Claimer) {
     let db = TestDb::with_pool_size(CLAIMERS + 4).await;
-    let counts = within(240, "the claim storm", storm(&db, Claimer::SkipLocked)).await;
+    let counts = within(240, "the claim storm", storm(&db, how)).await;
     let duplicates = counts.values().filter(|&&n| n > 1).count();
     assert_eq!(duplicates, 0, "no issue may be claimed twice");
     assert_eq!(counts.len(), ISSUES, "every issue claimed");
@@ -251,5 +278,67 @@ async fn retries_take_only_failed_issues_with_attempts_left() {
         explicit.claimed_ids(),
         vec![ids[1], ids[2]],
         "an explicit request takes exhausted ones too"
+    );
+}
+
+/// Requests merged into one statement get the answers they would get one
+/// after another: each id goes to the first that asked, `DONE` ids are
+/// reported, and it takes one statement.
+#[tokio::test]
+async fn merged_requests_answer_as_if_one_after_another() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    sql.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .unwrap();
+    let ids = db.add_issues(5).await;
+    sql.execute(
+        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = $1",
+        &[&ids[4]],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status = 'DONE' WHERE id = $1",
+        &[&ids[4]],
+    )
+    .await
+    .unwrap();
+    let calls = || async {
+        db.scalar_i64(
+            "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                AND query LIKE '%claimable AS MATERIALIZED%'",
+        )
+        .await
+    };
+    let before = calls().await;
+    let claimer = newsnack::claim::Claimer::start(db.pool.clone(), "merged".into(), 1);
+    let ask = |wanted: Vec<i64>| claimer.claim(wanted, LEASE, ClaimScope::Claimable);
+    // On this single-threaded runtime all four are queued before the lane
+    // runs, so they form one batch.
+    let (a, b, c, d) = tokio::join!(
+        ask(vec![ids[0], ids[1], ids[2]]),
+        ask(vec![ids[3], ids[2], ids[1]]),
+        ask(vec![ids[2]]),
+        ask(vec![ids[4], ids[0], 999_999]),
+    );
+    let (a, b, c, d) = (a.unwrap(), b.unwrap(), c.unwrap(), d.unwrap());
+    assert_eq!(a.claimed_ids(), ids[..3].to_vec());
+    assert!(a.skipped.is_empty() && a.done.is_empty());
+    assert_eq!(b.claimed_ids(), vec![ids[3]]);
+    assert_eq!(b.skipped, vec![ids[1], ids[2]]);
+    assert_eq!(c.claimed_ids(), Vec::<i64>::new());
+    assert_eq!(c.skipped, vec![ids[2]]);
+    assert_eq!(d.claimed_ids(), Vec::<i64>::new());
+    assert_eq!(d.skipped, vec![ids[0], ids[4], 999_999]);
+    assert_eq!(d.done, vec![ids[4]]);
+    assert_eq!(calls().await - before, 1, "one statement for the four");
+    assert_eq!(
+        db.scalar_i64(
+            "SELECT count(*) FROM issue WHERE processing_status = 'IN_PROGRESS' AND attempts = 1"
+        )
+        .await,
+        4
     );
 }

@@ -58,6 +58,9 @@ pub struct ClaimOutcome {
     /// Requested ids not claimed: locked by another claim, not `PENDING` or
     /// `FAILED`, or unknown. Sorted, without duplicates.
     pub skipped: Vec<i64>,
+    /// The skipped ids that were `DONE` (terminal, so they stay skipped).
+    /// Sorted.
+    pub done: Vec<i64>,
 }
 
 impl ClaimOutcome {
@@ -175,29 +178,6 @@ pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status,
     Ok(counts)
 }
 
-/// The current status of each requested issue that exists, read from one
-/// snapshot without locking anything.
-pub async fn statuses(
-    client: &impl GenericClient,
-    ids: &[i64],
-) -> Result<Vec<(i64, Status)>, DbError> {
-    let statement = client
-        .prepare_cached("SELECT id, processing_status FROM issue WHERE id = ANY($1)")
-        .await?;
-    client
-        .query(&statement, &[&ids])
-        .await?
-        .iter()
-        .map(|r| {
-            let status: &str = r.get(1);
-            status
-                .parse()
-                .map(|s| (r.get(0), s))
-                .map_err(|e: crate::status::UnknownStatus| DbError::Invalid(e.to_string()))
-        })
-        .collect()
-}
-
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
 /// token, counts the attempt, records the holder and the lease deadline.
@@ -207,7 +187,8 @@ pub async fn statuses(
 /// `FOR NO KEY UPDATE` rather than `FOR UPDATE`: inserting an `ai_article`
 /// takes `FOR KEY SHARE` on its issue, which `FOR UPDATE SKIP LOCKED` would
 /// treat as a conflict and skip. The locked set is a materialised CTE so it
-/// is computed exactly once.
+/// is computed exactly once. The same statement reports which requested ids
+/// it saw `DONE` (read from its snapshot, so only committed, final states).
 pub async fn claim_issues(
     client: &impl GenericClient,
     ids: &[i64],
@@ -229,16 +210,22 @@ pub async fn claim_issues(
                         END
                   ORDER BY i.id
                     FOR NO KEY UPDATE OF i SKIP LOCKED
+             ), claimed AS (
+                 UPDATE issue i
+                    SET processing_status = 'IN_PROGRESS',
+                        attempts = i.attempts + 1,
+                        claim_id = nextval('issue_claim_id_seq'),
+                        claimed_by = $2,
+                        lease_until = now() + make_interval(secs => $3::float8)
+                   FROM claimable c
+                  WHERE i.id = c.id
+              RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until
              )
-             UPDATE issue i
-                SET processing_status = 'IN_PROGRESS',
-                    attempts = i.attempts + 1,
-                    claim_id = nextval('issue_claim_id_seq'),
-                    claimed_by = $2,
-                    lease_until = now() + make_interval(secs => $3::float8)
-               FROM claimable c
-              WHERE i.id = c.id
-          RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until",
+             SELECT id, claim_id, attempts, title, body, lease_until FROM claimed
+             UNION ALL
+             SELECT i.id, NULL, NULL, NULL, NULL, NULL
+               FROM issue i JOIN requested r ON r.id = i.id
+              WHERE i.processing_status = 'DONE'",
         )
         .await?;
     let retry_below: Option<i32> = match scope {
@@ -251,18 +238,23 @@ pub async fn claim_issues(
             &[&ids, &worker, &lease.as_secs_f64(), &retry_below],
         )
         .await?;
-    let mut claimed: Vec<ClaimedIssue> = rows
-        .iter()
-        .map(|r| ClaimedIssue {
-            id: r.get(0),
-            claim_id: r.get(1),
-            attempts: r.get(2),
-            title: r.get(3),
-            body: r.get(4),
-            lease_until: r.get(5),
-        })
-        .collect();
+    let mut claimed = Vec::new();
+    let mut done = Vec::new();
+    for r in &rows {
+        match r.get::<_, Option<i64>>(1) {
+            Some(claim_id) => claimed.push(ClaimedIssue {
+                id: r.get(0),
+                claim_id,
+                attempts: r.get(2),
+                title: r.get(3),
+                body: r.get(4),
+                lease_until: r.get(5),
+            }),
+            None => done.push(r.get(0)),
+        }
+    }
     claimed.sort_by_key(|c| c.id);
+    done.sort_unstable();
     let won: BTreeSet<i64> = claimed.iter().map(|c| c.id).collect();
     let skipped: Vec<i64> = ids
         .iter()
@@ -271,7 +263,11 @@ pub async fn claim_issues(
         .into_iter()
         .filter(|id| !won.contains(id))
         .collect();
-    Ok(ClaimOutcome { claimed, skipped })
+    Ok(ClaimOutcome {
+        claimed,
+        skipped,
+        done,
+    })
 }
 
 /// Extends a live claim's lease. False when the claim is no longer current

@@ -3,13 +3,11 @@
 //! through `SKIP LOCKED` and handed to this instance's generator; the
 //! answer is 202 with what was claimed and skipped, or 409 when nothing was.
 //!
-//! Two shortcuts keep hopeless requests (most of them, when batches overlap)
-//! off the claim path, whose transactions queue behind each other's commits:
-//! ids the instance already knows to be `DONE` ([`crate::done_issues`]) are
-//! skipped without asking the database, and the rest are first read from a
-//! snapshot without locks; if none of them is `PENDING` or `FAILED` there,
-//! the answer is 409 without a claim (the answer is true at that snapshot).
-//! `DONE` statuses read there are remembered.
+//! Ids the instance already knows to be `DONE` ([`crate::done_issues`]) are
+//! skipped without asking the database: when batches overlap, most requested
+//! ids are. The rest go to the [`crate::claim::Claimer`], which merges
+//! concurrent requests into one statement; the `DONE` ids it reports are
+//! remembered.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -19,9 +17,8 @@ use serde::Deserialize;
 
 use super::error::{ApiError, ApiJson};
 use super::AppState;
-use crate::db::issue::{self, ClaimScope};
+use crate::db::issue::ClaimScope;
 use crate::input;
-use crate::status::Status;
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/ai-articles", post(request_articles))
@@ -31,22 +28,6 @@ pub fn router() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 pub struct ArticleRequest {
     issue_ids: Vec<i64>,
-}
-
-/// Whether any of `ids` is `PENDING` or `FAILED` in a snapshot read now;
-/// remembers those seen `DONE`.
-async fn any_claimable(state: &AppState, ids: &[i64]) -> Result<bool, ApiError> {
-    let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
-    let statuses = issue::statuses(&client, ids).await?;
-    let mut claimable = false;
-    for (id, status) in statuses {
-        match status {
-            Status::Done => state.done.insert(id),
-            Status::Pending | Status::Failed => claimable = true,
-            Status::InProgress => {}
-        }
-    }
-    Ok(claimable)
 }
 
 /// Claim issues for generation (`FOR NO KEY UPDATE SKIP LOCKED`).
@@ -63,17 +44,18 @@ pub async fn request_articles(
     if !done.is_empty() {
         crate::metrics::claims_skipped_known_done(done.len());
     }
-    let (claimed, mut skipped) = if open.is_empty() || !any_claimable(&state, &open).await? {
-        (Vec::new(), [open, done].concat())
+    let (claimed, mut skipped) = if open.is_empty() {
+        (Vec::new(), done)
     } else {
         let settings = state.settings.get().await?;
         let outcome = state
             .claimer
             .claim(open, settings.lease(), ClaimScope::Claimable)
             .await?;
-        let mut skipped = outcome.skipped;
-        skipped.extend(done);
-        (outcome.claimed, skipped)
+        for &id in &outcome.done {
+            state.done.insert(id);
+        }
+        (outcome.claimed, [outcome.skipped, done].concat())
     };
     skipped.sort_unstable();
     skipped.dedup();
