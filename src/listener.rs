@@ -131,6 +131,9 @@ pub struct Listener {
     status: watch::Sender<ListenerStatus>,
     settings_changed: watch::Sender<u64>,
     last_seq: i64,
+    /// Read and in order, not yet sent to subscribers (see
+    /// [`Listener::flush`]).
+    unsent: Vec<Transition>,
 }
 
 /// A connected, listening session.
@@ -168,6 +171,7 @@ impl Listener {
             status: status_tx,
             settings_changed: settings_tx,
             last_seq: 0,
+            unsent: Vec::new(),
         };
         let stop = shutdown.child_token();
         let stop_listener = stop.clone().drop_guard();
@@ -300,12 +304,21 @@ impl Listener {
                 biased;
                 _ = shutdown.cancelled() => return SessionEnd::Shutdown,
                 note = session.notifications.recv() => {
-                    let Some(note) = note else {
+                    let Some(mut note) = note else {
                         return SessionEnd::Lost("connection closed".into());
                     };
-                    if let Err(e) = self.on_notification(&session.client, note).await {
-                        return SessionEnd::Lost(format!("catch-up failed: {e}"));
+                    // Everything already received (a commit's transitions
+                    // arrive together) is read before any is sent.
+                    loop {
+                        if let Err(e) = self.on_notification(&session.client, note).await {
+                            return SessionEnd::Lost(format!("catch-up failed: {e}"));
+                        }
+                        match session.notifications.try_recv() {
+                            Ok(next) => note = next,
+                            Err(_) => break,
+                        }
                     }
+                    self.flush();
                 }
                 _ = health.tick() => {
                     let probe = session.client.simple_query("SELECT 1");
@@ -352,22 +365,36 @@ impl Listener {
     async fn catch_up(&mut self, client: &Client) -> Result<(), DbError> {
         const PAGE: i64 = 1000;
         loop {
+            self.flush();
             let page = db::transition::read_after(client, self.last_seq, None, PAGE).await?;
             let full = page.len() as i64 == PAGE;
             for t in page {
                 self.publish(t);
             }
             if !full {
+                self.flush();
                 return Ok(());
             }
         }
     }
 
+    /// Takes the next transition in `seq` order; [`Listener::flush`] sends.
     fn publish(&mut self, t: Transition) {
         self.last_seq = t.seq;
-        crate::metrics::transition_published(t.from, t.to);
-        // No subscribers is fine: the log keeps everything.
-        let _ = self.events.send(t);
+        self.unsent.push(t);
+    }
+
+    /// Sends what was published, back to back: subscribers woken by the
+    /// first find the rest already there and take them in one go.
+    fn flush(&mut self) {
+        if self.unsent.is_empty() {
+            return;
+        }
+        for t in self.unsent.drain(..) {
+            crate::metrics::transition_published(t.from, t.to);
+            // No subscribers is fine: the log keeps everything.
+            let _ = self.events.send(t);
+        }
         let seq = self.last_seq;
         self.status.send_if_modified(|s| {
             s.last_seq = seq;

@@ -93,6 +93,35 @@ impl TransitionStream {
         }
     }
 
+    /// The next transition if one is at hand (queued from the log or already
+    /// published live), without waiting or touching the database. `None`
+    /// says nothing of what comes next: [`TransitionStream::next`] waits.
+    pub fn try_next(&mut self) -> Option<Transition> {
+        loop {
+            if let Some(t) = self.backlog.pop_front() {
+                self.last_seq = t.seq;
+                return Some(t);
+            }
+            if self.reading_log {
+                return None;
+            }
+            match self.live.try_recv() {
+                Ok(t) if t.seq <= self.last_seq => continue,
+                Ok(t) if self.issue_id.is_some_and(|id| id != t.issue_id) => continue,
+                Ok(t) => {
+                    self.last_seq = t.seq;
+                    return Some(t);
+                }
+                Err(broadcast::error::TryRecvError::Lagged(missed)) => {
+                    tracing::debug!(missed, "stream fell behind; reading the log");
+                    self.reading_log = true;
+                    return None;
+                }
+                Err(_) => return None,
+            }
+        }
+    }
+
     /// The next transition, waiting for one if need be. Cancel-safe: dropping
     /// the future loses nothing.
     pub async fn next(&mut self) -> Result<Transition, StreamError> {

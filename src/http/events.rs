@@ -18,7 +18,8 @@
 //! the hub's fixed ring, which a lagging receiver does not grow), at most one
 //! page of log rows, and hyper's bounded write buffer: about 45 KiB per open
 //! stream in all (`benches/sse.rs`). Each transition is serialised once per
-//! service, in a small cache the streams share, not once per client. Open
+//! service into the very bytes every stream writes (a small cache the
+//! streams share), not once per client. Open
 //! streams are counted in the `newsnack_sse_clients` gauge. A client that
 //! stops reading stops the polling of its stream through TCP back-pressure,
 //! so it holds back nobody: when it reads again, its stream notices it was
@@ -52,13 +53,16 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axum::body::{Body, Bytes};
+
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderValue};
-use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
+
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio_util::sync::WaitForCancellationFutureOwned;
@@ -75,6 +79,9 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How many transitions a stream may fall behind beyond the smallest lag it
 /// has had before it is dropped (see the module docs).
 pub const MAX_FALL_BEHIND: i64 = 10_000;
+
+/// The most bytes of events gathered into one write.
+const MAX_CHUNK: usize = 64 * 1024;
 
 /// The SSE event name of a transition.
 pub const TRANSITION_EVENT: &str = "transition";
@@ -165,6 +172,7 @@ async fn events(
         cache,
         head,
         shutdown: Box::pin(state.shutdown.clone().cancelled_owned()),
+        quiet_until: tokio::time::Instant::now() + KEEP_ALIVE,
         sent: start,
         best_lag: issue_id.is_none().then(|| (newest - start).max(0)),
         done: false,
@@ -177,13 +185,12 @@ async fn events(
         let event = feed.next_event().await;
         Some((Ok::<_, Infallible>(event), feed))
     });
-    let mut response = Sse::new(events)
-        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
-        .into_response();
+    let mut response = Response::new(Body::from_stream(events));
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     // Tell buffering reverse proxies (nginx) to pass events through at once.
-    response
-        .headers_mut()
-        .insert("x-accel-buffering", HeaderValue::from_static("no"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
     Ok(response)
 }
 
@@ -194,6 +201,8 @@ struct Feed {
     /// The listener's state: `last_seq` is the newest published transition.
     head: watch::Receiver<ListenerStatus>,
     shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// When a keep-alive comment is due if nothing is sent before.
+    quiet_until: tokio::time::Instant,
     /// The last `seq` sent, or the starting point.
     sent: i64,
     /// The smallest lag behind the newest transition seen so far; `None`
@@ -205,36 +214,67 @@ struct Feed {
 }
 
 impl Feed {
-    /// The next event to send; a `dropped` event ends the stream.
-    async fn next_event(&mut self) -> Event {
+    /// What to write next, as it goes on the wire: the next transition's
+    /// event and those of any that follow it at once (one write for a burst,
+    /// not one per event), or a keep-alive comment; a `dropped` event ends
+    /// the stream.
+    async fn next_event(&mut self) -> Bytes {
         let next = tokio::select! {
             biased;
             _ = &mut self.shutdown => return self.end("server shutting down"),
             next = self.stream.next() => next,
+            _ = tokio::time::sleep_until(self.quiet_until) => {
+                self.quiet_until = tokio::time::Instant::now() + KEEP_ALIVE;
+                return Bytes::from_static(b":\n\n");
+            }
         };
-        let transition = match next {
+        self.quiet_until = tokio::time::Instant::now() + KEEP_ALIVE;
+        let mut transition = match next {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(error = %e, resume_after = self.sent, "ending an SSE stream");
                 return self.end("transition stream failed");
             }
         };
+        let mut chunk = Vec::new();
+        loop {
+            match self.event(&transition) {
+                Ok(event) => chunk.extend_from_slice(&event),
+                Err(end) => {
+                    chunk.extend_from_slice(&end);
+                    break;
+                }
+            }
+            if chunk.len() >= MAX_CHUNK {
+                break;
+            }
+            match self.stream.try_next() {
+                Some(t) => transition = t,
+                None => break,
+            }
+        }
+        Bytes::from(chunk)
+    }
+
+    /// The event of a transition about to be sent, or the final event that
+    /// ends the stream instead.
+    fn event(&mut self, transition: &Transition) -> Result<Bytes, Bytes> {
         if self.too_slow(transition.seq) {
             tracing::info!(
                 resume_after = self.sent,
                 newest = self.head.borrow().last_seq,
                 "dropping a slow SSE client"
             );
-            return self.end("client too slow");
+            return Err(self.end("client too slow"));
         }
-        match self.cache.event(&transition) {
+        match self.cache.event(transition) {
             Ok(event) => {
                 self.sent = transition.seq;
-                event
+                Ok(event)
             }
             Err(e) => {
                 tracing::error!(error = %e, seq = transition.seq, "cannot serialise a transition");
-                self.end("transition stream failed")
+                Err(self.end("transition stream failed"))
             }
         }
     }
@@ -250,24 +290,24 @@ impl Feed {
     }
 
     /// The final event of a stream the server ends.
-    fn end(&mut self, reason: &str) -> Event {
+    fn end(&mut self, reason: &str) -> Bytes {
         self.done = true;
-        Event::default()
-            .event(DROPPED_EVENT)
-            .data(serde_json::json!({ "reason": reason, "resume_after": self.sent }).to_string())
+        let data = serde_json::json!({ "reason": reason, "resume_after": self.sent });
+        Bytes::from(format!("event: {DROPPED_EVENT}\ndata: {data}\n\n"))
     }
 }
 
 /// Transition events built recently, shared by every client of one router:
 /// the clients of a live fan-out all send the same transitions at about the
-/// same time, so each is serialised once rather than once per client. A
-/// slot holds one `seq`; a miss (a client far behind) just builds it again.
+/// same time, so each is serialised once rather than once per client, and
+/// every client sends the same bytes. A slot holds one `seq`; a miss (a
+/// client far behind) just builds it again.
 struct EventCache {
     slots: Box<[Mutex<Option<CachedEvent>>]>,
 }
 
-/// A transition and the SSE event built from it.
-type CachedEvent = (Transition, Event);
+/// A transition and its SSE event as it goes on the wire.
+type CachedEvent = (Transition, Bytes);
 
 impl EventCache {
     const SLOTS: usize = 1024;
@@ -278,7 +318,7 @@ impl EventCache {
         }
     }
 
-    fn event(&self, t: &Transition) -> Result<Event, axum::Error> {
+    fn event(&self, t: &Transition) -> Result<Bytes, serde_json::Error> {
         let slot = &self.slots[t.seq.rem_euclid(Self::SLOTS as i64) as usize];
         if let Some((cached, event)) = &*slot.lock().unwrap_or_else(|e| e.into_inner()) {
             if cached == t {
@@ -291,10 +331,11 @@ impl EventCache {
     }
 }
 
-/// `id: SEQ`, `event: transition`, `data: {..}`.
-pub fn transition_event(t: &Transition) -> Result<Event, axum::Error> {
-    Event::default()
-        .id(t.seq.to_string())
-        .event(TRANSITION_EVENT)
-        .json_data(t)
+/// `id: SEQ`, `event: transition`, `data: {..}`, as sent.
+pub fn transition_event(t: &Transition) -> Result<Bytes, serde_json::Error> {
+    let data = serde_json::to_string(t)?;
+    Ok(Bytes::from(format!(
+        "id: {}\nevent: {TRANSITION_EVENT}\ndata: {data}\n\n",
+        t.seq
+    )))
 }
