@@ -198,12 +198,11 @@ pub async fn claim_issues(
 ) -> Result<ClaimOutcome, DbError> {
     let statement = client
         .prepare_cached(
-            "WITH requested AS (
-                 SELECT DISTINCT id FROM unnest($1::bigint[]) AS r(id)
-             ), claimable AS MATERIALIZED (
+            "WITH claimable AS MATERIALIZED (
                  SELECT i.id
-                   FROM issue i JOIN requested r ON r.id = i.id
-                  WHERE CASE WHEN $4::integer IS NULL
+                   FROM issue i
+                  WHERE i.id = ANY($1::bigint[])
+                    AND CASE WHEN $4::integer IS NULL
                              THEN i.processing_status IN ('PENDING', 'FAILED')
                              ELSE i.processing_status = 'FAILED' AND i.attempts < $4::integer
                                   AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
@@ -224,8 +223,8 @@ pub async fn claim_issues(
              SELECT id, claim_id, attempts, title, body, lease_until FROM claimed
              UNION ALL
              SELECT i.id, NULL, NULL, NULL, NULL, NULL
-               FROM issue i JOIN requested r ON r.id = i.id
-              WHERE i.processing_status = 'DONE'",
+               FROM issue i
+              WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'DONE'",
         )
         .await?;
     let retry_below: Option<i32> = match scope {

@@ -113,7 +113,16 @@ impl Default for PoolOptions {
 }
 
 /// Builds a pool. Connections are opened lazily, on first use.
-pub fn pool(config: tokio_postgres::Config, options: &PoolOptions) -> Result<DbPool, DbError> {
+///
+/// Its sessions plan prepared statements once (`plan_cache_mode =
+/// force_generic_plan`): the service's statements look rows up by id, so
+/// their best plan does not depend on the values bound, and re-planning the
+/// claim statement for every call (PostgreSQL's default for its first runs,
+/// and for good whenever a custom plan looks cheaper) was a third of the
+/// database's CPU time under a claim storm (`benches/http_claims.rs`).
+pub fn pool(mut config: tokio_postgres::Config, options: &PoolOptions) -> Result<DbPool, DbError> {
+    let options_given = config.get_options().unwrap_or_default();
+    config.options(format!("{options_given} -c plan_cache_mode=force_generic_plan").trim());
     let manager = Manager::from_config(
         config,
         NoTls,
