@@ -733,7 +733,7 @@ async fn direct_claims(
     let elapsed = began.elapsed().as_secs_f64();
     let requests = clients * windows.len();
     json!({
-        "path": if grouped { "Claimer (shared transactions, group commit)" } else { "claim_issues, one statement per transaction" },
+        "path": if grouped { "Claimer (merged statements, group commit)" } else { "claim_issues, one statement per transaction" },
         "tasks": clients,
         "claim_requests": requests,
         "seconds": round3(elapsed),

@@ -6,8 +6,8 @@
 //! entering `DONE` on the committed log can never be claimable again, and
 //! answering "not claimable" for it is exact however old the knowledge is.
 //! Only committed facts feed the set — transitions announced by the database
-//! and statuses read from a snapshot — never intentions, so a rolled-back
-//! completion is never recorded.
+//! and the `DONE` statuses a claim statement read from its snapshot — never
+//! intentions, so a rolled-back completion is never recorded.
 //!
 //! The set is a compressed bitmap (ids are mostly dense runs), bounded by
 //! [`MAX_IDS`]: past it, it starts over. Forgetting costs a database round
