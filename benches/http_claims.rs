@@ -100,38 +100,13 @@ async fn main() {
 
     let idle = idle_rss(&cluster.url("idle"), Duration::from_secs(idle_seconds)).await;
     let paced_rate = Some(target_rate as f64);
-    let seeds = seeds_over_http(
-        &cluster.url("seeds"),
-        issues,
-        clients,
-        Start::Staggered,
-        None,
-    )
-    .await;
-    let paced = seeds_over_http(
-        &cluster.url("seeds_paced"),
-        issues,
-        clients,
-        Start::Staggered,
-        paced_rate,
-    )
-    .await;
-    let together = seeds_over_http(
-        &cluster.url("seeds_together"),
-        issues,
-        clients,
-        Start::Together,
-        None,
-    )
-    .await;
-    let together_paced = seeds_over_http(
-        &cluster.url("seeds_together_paced"),
-        issues,
-        clients,
-        Start::Together,
-        paced_rate,
-    )
-    .await;
+    let seeds_run = |db: &str, start: Start, rate: Option<f64>| {
+        seeds_over_http(cluster.url(db), issues, clients, start, rate)
+    };
+    let seeds = seeds_run("seeds", Start::Staggered, None).await;
+    let paced = seeds_run("seeds_paced", Start::Staggered, paced_rate).await;
+    let together = seeds_run("seeds_together", Start::Together, None).await;
+    let together_paced = seeds_run("seeds_together_paced", Start::Together, paced_rate).await;
     let direct = direct_claims(&cluster.url("direct"), issues, clients, false).await;
     let grouped = direct_claims(&cluster.url("direct_claimer"), issues, clients, true).await;
     let e2e = two_instances(&cluster.url("e2e"), e2e_issues, clients, e2e_batch).await;
@@ -593,15 +568,15 @@ enum Start {
 }
 
 async fn seeds_over_http(
-    url: &str,
+    url: String,
     issues: usize,
     clients: usize,
     start: Start,
     rate: Option<f64>,
 ) -> serde_json::Value {
-    let pool = bench_pool(url, 4).await;
+    let pool = bench_pool(&url, 4).await;
     let ids = add_issues(&pool, issues).await;
-    let service = start_service(url, "bench-seeds").await;
+    let service = start_service(&url, "bench-seeds").await;
     let endpoint = format!("http://{}/ai-articles", service.addr);
     let windows = windows(&ids);
     let mut plans = Vec::new();

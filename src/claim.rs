@@ -7,13 +7,13 @@
 //! another: a later request would find the id `IN_PROGRESS`. A batch that
 //! claims nothing writes nothing, so hopeless requests cost one read.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use futures::future::join_all;
 use tokio::sync::oneshot;
 
-use crate::db::issue::{self, ClaimOutcome, ClaimScope};
+use crate::db::issue::{self, ClaimOutcome, ClaimScope, ClaimedIssue};
 use crate::db::{DbError, DbPool};
 use crate::group_commit::GroupCommit;
 
@@ -127,21 +127,16 @@ async fn claim_together(
     let client = pool.get().await?;
     let together = issue::claim_issues(&client, &all, worker, lease, scope).await?;
     drop(client);
-    let done: HashSet<i64> = together.done.iter().copied().collect();
-    let mut outcomes: Vec<ClaimOutcome> = vec![ClaimOutcome::default(); requests.len()];
+    let done: BTreeSet<i64> = together.done.into_iter().collect();
+    let mut won: Vec<Vec<ClaimedIssue>> = vec![Vec::new(); requests.len()];
     for claimed in together.claimed {
-        outcomes[first_asker[&claimed.id]].claimed.push(claimed);
+        won[first_asker[&claimed.id]].push(claimed);
     }
-    for (request, outcome) in requests.iter().zip(&mut outcomes) {
-        let won: HashSet<i64> = outcome.claimed.iter().map(|c| c.id).collect();
-        let asked: BTreeSet<i64> = request.ids.iter().copied().collect();
-        outcome.skipped = asked
-            .iter()
-            .copied()
-            .filter(|id| !won.contains(id))
-            .collect();
-        outcome.done = asked.into_iter().filter(|id| done.contains(id)).collect();
-    }
+    let outcomes = requests
+        .iter()
+        .zip(won)
+        .map(|(request, won)| ClaimOutcome::of_request(&request.ids, won, &done))
+        .collect();
     Ok(outcomes)
 }
 

@@ -93,6 +93,16 @@ impl TransitionStream {
         }
     }
 
+    /// A live transition, if this stream is to deliver it (after the last
+    /// one delivered, and of the issue followed); it is then delivered.
+    fn deliver(&mut self, t: Transition) -> Option<Transition> {
+        if t.seq <= self.last_seq || self.issue_id.is_some_and(|id| id != t.issue_id) {
+            return None;
+        }
+        self.last_seq = t.seq;
+        Some(t)
+    }
+
     /// The next transition if one is at hand (queued from the log or already
     /// published live), without waiting or touching the database. `None`
     /// says nothing of what comes next: [`TransitionStream::next`] waits.
@@ -106,11 +116,10 @@ impl TransitionStream {
                 return None;
             }
             match self.live.try_recv() {
-                Ok(t) if t.seq <= self.last_seq => continue,
-                Ok(t) if self.issue_id.is_some_and(|id| id != t.issue_id) => continue,
                 Ok(t) => {
-                    self.last_seq = t.seq;
-                    return Some(t);
+                    if let Some(t) = self.deliver(t) {
+                        return Some(t);
+                    }
                 }
                 Err(broadcast::error::TryRecvError::Lagged(missed)) => {
                     tracing::debug!(missed, "stream fell behind; reading the log");
@@ -140,11 +149,10 @@ impl TransitionStream {
                 continue;
             }
             match self.live.recv().await {
-                Ok(t) if t.seq <= self.last_seq => continue,
-                Ok(t) if self.issue_id.is_some_and(|id| id != t.issue_id) => continue,
                 Ok(t) => {
-                    self.last_seq = t.seq;
-                    return Ok(t);
+                    if let Some(t) = self.deliver(t) {
+                        return Ok(t);
+                    }
                 }
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
                     tracing::debug!(missed, "stream fell behind; reading the log");

@@ -287,23 +287,9 @@ async fn retries_take_only_failed_issues_with_attempts_left() {
 #[tokio::test]
 async fn merged_requests_answer_as_if_one_after_another() {
     let db = TestDb::new().await;
-    let sql = db.raw().await;
-    sql.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        .await
-        .unwrap();
+    db.count_statements().await;
     let ids = db.add_issues(5).await;
-    sql.execute(
-        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = $1",
-        &[&ids[4]],
-    )
-    .await
-    .unwrap();
-    sql.execute(
-        "UPDATE issue SET processing_status = 'DONE' WHERE id = $1",
-        &[&ids[4]],
-    )
-    .await
-    .unwrap();
+    db.move_with_sql(&ids[4..], &["IN_PROGRESS", "DONE"]).await;
     let calls = || async {
         db.scalar_i64(
             "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements

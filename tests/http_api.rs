@@ -1184,24 +1184,12 @@ async fn claim_path_statements(sql: &tokio_postgres::Client) -> (i64, i64) {
 async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     let db = TestDb::new().await;
     let sql = db.raw().await;
-    sql.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        .await
-        .unwrap();
+    db.count_statements().await;
     let ids = db.add_issues(6).await;
     // ids[4] is DONE and ids[5] IN_PROGRESS before the service starts, so
     // it has never heard of either.
-    sql.execute(
-        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
-        &[&vec![ids[4], ids[5]]],
-    )
-    .await
-    .unwrap();
-    sql.execute(
-        "UPDATE issue SET processing_status = 'DONE' WHERE id = $1",
-        &[&ids[4]],
-    )
-    .await
-    .unwrap();
+    db.move_with_sql(&ids[4..], &["IN_PROGRESS"]).await;
+    db.move_with_sql(&ids[4..5], &["DONE"]).await;
     let service = db.serve("done-cache", offline()).await;
     let url = format!("http://{}/ai-articles", service.addr);
     let http = reqwest::Client::new();

@@ -135,9 +135,7 @@ async fn resolves_early_once_no_target_can_change() {
 async fn the_deciding_raw_sql_commit_resolves_the_wait_without_any_query_in_between() {
     let db = TestDb::new().await;
     let sql = db.raw().await;
-    sql.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        .await
-        .unwrap();
+    db.count_statements().await;
     let ids = in_progress(&db, &sql, 1).await;
     // No health queries during the test, so every statement is counted.
     let (hub, stop) = db

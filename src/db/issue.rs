@@ -64,6 +64,19 @@ pub struct ClaimOutcome {
 }
 
 impl ClaimOutcome {
+    /// The outcome of a request for `ids`: what it won (sorted by id), and
+    /// which of the rest were among the `DONE` ids seen.
+    pub fn of_request(ids: &[i64], mut claimed: Vec<ClaimedIssue>, done: &BTreeSet<i64>) -> Self {
+        claimed.sort_by_key(|c| c.id);
+        let won: BTreeSet<i64> = claimed.iter().map(|c| c.id).collect();
+        let asked: BTreeSet<i64> = ids.iter().copied().collect();
+        ClaimOutcome {
+            skipped: asked.difference(&won).copied().collect(),
+            done: asked.intersection(done).copied().collect(),
+            claimed,
+        }
+    }
+
     pub fn claimed_ids(&self) -> Vec<i64> {
         self.claimed.iter().map(|c| c.id).collect()
     }
@@ -238,7 +251,7 @@ pub async fn claim_issues(
         )
         .await?;
     let mut claimed = Vec::new();
-    let mut done = Vec::new();
+    let mut done = BTreeSet::new();
     for r in &rows {
         match r.get::<_, Option<i64>>(1) {
             Some(claim_id) => claimed.push(ClaimedIssue {
@@ -249,24 +262,12 @@ pub async fn claim_issues(
                 body: r.get(4),
                 lease_until: r.get(5),
             }),
-            None => done.push(r.get(0)),
+            None => {
+                done.insert(r.get(0));
+            }
         }
     }
-    claimed.sort_by_key(|c| c.id);
-    done.sort_unstable();
-    let won: BTreeSet<i64> = claimed.iter().map(|c| c.id).collect();
-    let skipped: Vec<i64> = ids
-        .iter()
-        .copied()
-        .collect::<BTreeSet<i64>>()
-        .into_iter()
-        .filter(|id| !won.contains(id))
-        .collect();
-    Ok(ClaimOutcome {
-        claimed,
-        skipped,
-        done,
-    })
+    Ok(ClaimOutcome::of_request(ids, claimed, &done))
 }
 
 /// Extends a live claim's lease. False when the claim is no longer current

@@ -253,6 +253,31 @@ impl TestDb {
             .unwrap();
     }
 
+    /// Moves issues through `statuses` with raw SQL, one statement per step,
+    /// as another system would.
+    pub async fn move_with_sql(&self, ids: &[i64], statuses: &[&str]) {
+        let client = self.pool.get().await.unwrap();
+        for status in statuses {
+            client
+                .execute(
+                    "UPDATE issue SET processing_status = $2 WHERE id = ANY($1)",
+                    &[&ids, status],
+                )
+                .await
+                .unwrap();
+        }
+    }
+
+    /// Turns on `pg_stat_statements` in this database (the cluster preloads
+    /// it), so a test can count the statements the service runs.
+    pub async fn count_statements(&self) {
+        let client = self.pool.get().await.unwrap();
+        client
+            .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .await
+            .unwrap();
+    }
+
     /// One scalar from a query, for assertions.
     pub async fn scalar_i64(&self, sql: &str) -> i64 {
         let client = self.pool.get().await.unwrap();
