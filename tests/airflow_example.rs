@@ -255,16 +255,9 @@ async fn issues_added_over_http_are_claimed_waited_for_and_published_hottest_fir
     assert_eq!(out.status.code(), Some(0), "{report}");
 
     let sql = db.raw().await;
-    let hottest: Vec<i64> = sql
-        .query(
-            "SELECT id FROM issue WHERE title IN ('Hotter', 'Hot', 'Warm') ORDER BY score DESC",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let hottest = db
+        .ids("SELECT id FROM issue WHERE title IN ('Hotter', 'Hot', 'Warm') ORDER BY score DESC")
+        .await;
     assert_eq!(ids(&report["targets"]), hottest, "{report}");
     assert_eq!(report["wait"]["outcome"], "all_pass", "{report}");
     // The wait lists them in id order; the briefing keeps the targets' order.

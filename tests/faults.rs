@@ -529,11 +529,7 @@ async fn one_of_three_serve_processes_sigkilled_then_restarted() {
         .await;
     report_and_assert_clean("sigkill", &report);
     assert_eq!(report.done, 140);
-    let reaped = db
-        .scalar_i64(
-            "SELECT count(DISTINCT issue_id) FROM issue_transition WHERE reason = 'lease expired'",
-        )
-        .await;
+    let reaped = db.reaped_issues().await;
     assert!(
         reaped >= stranded,
         "the victim's issues came back through the reaper ({reaped} < {stranded})"
@@ -780,28 +776,11 @@ async fn an_exhausted_pool_queues_or_answers_503_and_never_hangs() {
     }
 
     // The service is whole again: everything is claimed and finished.
-    let unclaimed: Vec<i64> = db
-        .raw()
-        .await
-        .query(
-            "SELECT id FROM issue WHERE processing_status = 'PENDING' ORDER BY id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let unclaimed = db
+        .ids("SELECT id FROM issue WHERE processing_status = 'PENDING' ORDER BY id")
+        .await;
     request_articles(&http, &base, &unclaimed).await;
-    let all: Vec<i64> = db
-        .raw()
-        .await
-        .query("SELECT id FROM issue ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let all = db.ids("SELECT id FROM issue ORDER BY id").await;
     let record = post_wait(
         http.clone(),
         base.clone(),

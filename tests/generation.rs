@@ -322,11 +322,7 @@ async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
             .await,
         0
     );
-    let reaped = db
-        .scalar_i64(
-            "SELECT count(DISTINCT issue_id) FROM issue_transition WHERE reason = 'lease expired'",
-        )
-        .await;
+    let reaped = db.reaped_issues().await;
     assert!(
         reaped >= stranded,
         "the victim's issues came back through the reaper ({reaped} < {stranded})"

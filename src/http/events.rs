@@ -332,7 +332,7 @@ impl EventCache {
 }
 
 /// `id: SEQ`, `event: transition`, `data: {..}`, as sent.
-pub fn transition_event(t: &Transition) -> Result<Bytes, serde_json::Error> {
+fn transition_event(t: &Transition) -> Result<Bytes, serde_json::Error> {
     let data = serde_json::to_string(t)?;
     Ok(Bytes::from(format!(
         "id: {}\nevent: {TRANSITION_EVENT}\ndata: {data}\n\n",

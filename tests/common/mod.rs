@@ -278,6 +278,21 @@ impl TestDb {
             .unwrap();
     }
 
+    /// The first column of every row of a query, as ids.
+    pub async fn ids(&self, sql: &str) -> Vec<i64> {
+        let client = self.pool.get().await.unwrap();
+        let rows = client.query(sql, &[]).await.unwrap();
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
+    /// How many issues the lease reaper has failed ("lease expired").
+    pub async fn reaped_issues(&self) -> i64 {
+        self.scalar_i64(
+            "SELECT count(DISTINCT issue_id) FROM issue_transition WHERE reason = 'lease expired'",
+        )
+        .await
+    }
+
     /// One scalar from a query, for assertions.
     pub async fn scalar_i64(&self, sql: &str) -> i64 {
         let client = self.pool.get().await.unwrap();
