@@ -206,6 +206,7 @@ async fn bench() {
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let writing = Instant::now();
+    let cpu_before = (cpu_seconds(None), cpu_seconds(child_pid));
     let deadline = Duration::from_secs(seconds) + Duration::from_secs(2);
     while sent < planned && writing.elapsed() < deadline {
         tick.tick().await;
@@ -225,6 +226,8 @@ async fn bench() {
         sent += batch.len() as u64;
     }
     let write_seconds = writing.elapsed().as_secs_f64();
+    let service_cpu = cpu_seconds(None) - cpu_before.0;
+    let client_cpu = cpu_seconds(child_pid) - cpu_before.1;
     let last: i64 = writer
         .query_one("SELECT max(seq) FROM issue_transition", &[])
         .await
@@ -279,6 +282,12 @@ async fn bench() {
         },
         "deliveries": client_report["pairs"],
         "deliveries_per_s": round1(client_report["pairs"].as_f64().unwrap_or(0.0) / write_seconds),
+        "cpu_while_writing_s": {
+            "what": "CPU time (user + system) over the write phase: this process (service, writer, probe) and the client process",
+            "service_process": round3(service_cpu),
+            "client_process": round3(client_cpu),
+            "service_us_per_delivery": round3(service_cpu * 1e6 / client_report["pairs"].as_f64().unwrap_or(1.0).max(1.0)),
+        },
         "every_client_got_every_transition_once_in_order": client_report["complete"],
         "latency_ms": client_report["latency_ms"],
         "latency_to_hub_ms": {
@@ -426,7 +435,7 @@ async fn open(addr: &str) -> (TcpStream, Vec<u8>) {
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+    memchr::memmem::find(haystack, needle)
 }
 
 /// Undoes chunked transfer encoding and splits the body into SSE blocks.
@@ -549,6 +558,28 @@ async fn until_published(hub: &newsnack::listener::TransitionHub, seq: i64) {
 /// `VmRSS` of this process, in KiB.
 fn rss_kib(pid: Option<u32>) -> i64 {
     status_field(pid, "VmRSS:")
+}
+
+/// User plus system CPU time of a process (this one by default), from
+/// `/proc/PID/stat` (in USER_HZ ticks, 100 per second on Linux).
+fn cpu_seconds(pid: Option<u32>) -> f64 {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/stat"),
+        None => "/proc/self/stat".into(),
+    };
+    let stat = std::fs::read_to_string(path).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // Fields 14 and 15 (utime, stime), counted from the state as field 3.
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 fn hwm_kib() -> i64 {

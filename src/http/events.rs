@@ -65,6 +65,7 @@ use axum::Router;
 
 use serde::Deserialize;
 use tokio::sync::watch;
+use tokio::time::{Instant, Sleep};
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::error::ApiError;
@@ -172,7 +173,7 @@ async fn events(
         cache,
         head,
         shutdown: Box::pin(state.shutdown.clone().cancelled_owned()),
-        quiet_until: tokio::time::Instant::now() + KEEP_ALIVE,
+        keep_alive: KeepAlive::new(KEEP_ALIVE),
         sent: start,
         best_lag: issue_id.is_none().then(|| (newest - start).max(0)),
         done: false,
@@ -201,8 +202,7 @@ struct Feed {
     /// The listener's state: `last_seq` is the newest published transition.
     head: watch::Receiver<ListenerStatus>,
     shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
-    /// When a keep-alive comment is due if nothing is sent before.
-    quiet_until: tokio::time::Instant,
+    keep_alive: KeepAlive,
     /// The last `seq` sent, or the starting point.
     sent: i64,
     /// The smallest lag behind the newest transition seen so far; `None`
@@ -223,20 +223,26 @@ impl Feed {
             biased;
             _ = &mut self.shutdown => return self.end("server shutting down"),
             next = self.stream.next() => next,
-            _ = tokio::time::sleep_until(self.quiet_until) => {
-                self.quiet_until = tokio::time::Instant::now() + KEEP_ALIVE;
-                return Bytes::from_static(b":\n\n");
-            }
+            _ = self.keep_alive.due() => return Bytes::from_static(b":\n\n"),
         };
-        self.quiet_until = tokio::time::Instant::now() + KEEP_ALIVE;
-        let mut transition = match next {
+        self.keep_alive.sent();
+        let transition = match next {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(error = %e, resume_after = self.sent, "ending an SSE stream");
                 return self.end("transition stream failed");
             }
         };
-        let mut chunk = Vec::new();
+        let first = match self.event(&transition) {
+            Ok(event) => event,
+            Err(end) => return end,
+        };
+        // A lone event goes out as the cached bytes themselves, a burst as
+        // one chunk.
+        let Some(mut transition) = self.stream.try_next() else {
+            return first;
+        };
+        let mut chunk = first.to_vec();
         loop {
             match self.event(&transition) {
                 Ok(event) => chunk.extend_from_slice(&event),
@@ -297,6 +303,45 @@ impl Feed {
     }
 }
 
+/// When a quiet stream owes its client a keep-alive comment: `every` after
+/// the last write. A write only moves the deadline; the timer itself is
+/// re-armed when it fires, not on every event a busy stream sends.
+struct KeepAlive {
+    every: Duration,
+    quiet_until: Instant,
+    timer: Pin<Box<Sleep>>,
+}
+
+impl KeepAlive {
+    fn new(every: Duration) -> Self {
+        KeepAlive {
+            every,
+            quiet_until: Instant::now() + every,
+            timer: Box::pin(tokio::time::sleep(every)),
+        }
+    }
+
+    /// Something was written: the next comment is due `every` from now.
+    fn sent(&mut self) {
+        self.quiet_until = Instant::now() + self.every;
+    }
+
+    /// Resolves when a comment is due (and counts it as written). Cancel
+    /// safe: dropping it mid-wait loses nothing.
+    async fn due(&mut self) {
+        loop {
+            (&mut self.timer).await;
+            let now = Instant::now();
+            if now >= self.quiet_until {
+                self.quiet_until = now + self.every;
+                self.timer.as_mut().reset(self.quiet_until);
+                return;
+            }
+            self.timer.as_mut().reset(self.quiet_until);
+        }
+    }
+}
+
 /// Transition events built recently, shared by every client of one router:
 /// the clients of a live fan-out all send the same transitions at about the
 /// same time, so each is serialised once rather than once per client, and
@@ -338,4 +383,46 @@ fn transition_event(t: &Transition) -> Result<Bytes, serde_json::Error> {
         "id: {}\nevent: {TRANSITION_EVENT}\ndata: {data}\n\n",
         t.seq
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EVERY: Duration = Duration::from_secs(15);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quiet_stream_is_due_a_comment_every_interval() {
+        let start = Instant::now();
+        let mut keep_alive = KeepAlive::new(EVERY);
+        keep_alive.due().await;
+        assert_eq!(start.elapsed(), EVERY);
+        keep_alive.due().await;
+        assert_eq!(start.elapsed(), 2 * EVERY);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_write_puts_the_next_comment_off() {
+        let start = Instant::now();
+        let mut keep_alive = KeepAlive::new(EVERY);
+        // Writes at 10 s and 20 s: the first comment is due at 35 s, and is
+        // not sent at 15 s or 25 s.
+        for _ in 0..2 {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            keep_alive.sent();
+        }
+        keep_alive.due().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(35));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_interrupted_wait_loses_nothing() {
+        let start = Instant::now();
+        let mut keep_alive = KeepAlive::new(EVERY);
+        // A wait dropped at 5 s (as `select!` drops it when an event wins).
+        let interrupted = tokio::time::timeout(Duration::from_secs(5), keep_alive.due()).await;
+        assert!(interrupted.is_err());
+        keep_alive.due().await;
+        assert_eq!(start.elapsed(), EVERY);
+    }
 }
