@@ -27,7 +27,7 @@ use crate::db::pipeline_run::{self, RunRecord};
 use crate::db::{DbError, DbPool};
 use crate::listener::TransitionHub;
 use crate::schedule::Schedule;
-use crate::settings::SettingsCache;
+use crate::settings::{Settings, SettingsCache};
 use crate::wait::{self, WaitError, WaitOutcome, WaitRequest};
 use crate::worker::GeneratorHandle;
 
@@ -113,18 +113,41 @@ impl Pipeline {
             tracing::debug!(?tick, "this tick already ran");
             return Ok(None);
         };
+        drop(client);
+        let mut record = RunRecord::default();
+        match self.carry_out(run_id, &settings, cancel, &mut record).await {
+            Ok(()) => self.finish(run_id, record).await,
+            Err(e) => {
+                // A run that started is always finished, so it never stays
+                // `running` until another instance calls it abandoned.
+                record.outcome = "error".into();
+                record.error = Some(e.to_string());
+                if let Err(unrecorded) = self.finish(run_id, record).await {
+                    tracing::warn!(run_id, error = %unrecorded, "could not record the failed run");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Selects, claims, waits and assembles, filling in `record`.
+    async fn carry_out(
+        &self,
+        run_id: i64,
+        settings: &Settings,
+        cancel: &CancellationToken,
+        record: &mut RunRecord,
+    ) -> Result<(), PipelineError> {
+        let client = self.pool.get().await.map_err(DbError::from)?;
         let targets =
             pipeline_run::select_targets(&client, settings.top_k, settings.lookback_hours).await?;
         drop(client);
         tracing::info!(run_id, ?targets, "pipeline run started");
-        let mut record = RunRecord {
-            targets: targets.clone(),
-            ..RunRecord::default()
-        };
+        record.targets = targets.clone();
         if targets.is_empty() {
             record.outcome = WaitOutcome::Skip.as_str().into();
             record.error = Some("no candidate issues".into());
-            return self.finish(run_id, record).await;
+            return Ok(());
         }
 
         let claimed = self
@@ -150,7 +173,7 @@ impl Pipeline {
                 }
                 .into();
                 record.error = Some(e.to_string());
-                return self.finish(run_id, record).await;
+                return Ok(());
             }
         };
         record.outcome = report.outcome.as_str().into();
@@ -163,17 +186,24 @@ impl Pipeline {
             .copied()
             .filter(|id| report.completed.contains(id))
             .collect();
-        if report.outcome != WaitOutcome::Skip {
-            match briefing::assemble(&self.pool, &record.completed).await {
-                Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
-                Err(AssembleError::Db(e)) => return Err(e.into()),
-                Err(e) => {
-                    record.outcome = "error".into();
-                    record.error = Some(e.to_string());
-                }
+        if report.outcome == WaitOutcome::Skip {
+            return Ok(());
+        }
+        if record.completed.is_empty() {
+            // Possible when the minimum is set to 0: the run passes with
+            // nothing to put in a briefing.
+            record.error = Some("no article completed: no briefing".into());
+            return Ok(());
+        }
+        match briefing::assemble(&self.pool, &record.completed).await {
+            Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
+            Err(AssembleError::Db(e)) => return Err(e.into()),
+            Err(e) => {
+                record.outcome = "error".into();
+                record.error = Some(e.to_string());
             }
         }
-        self.finish(run_id, record).await
+        Ok(())
     }
 
     async fn finish(
@@ -194,6 +224,9 @@ impl Pipeline {
     }
 }
 
+/// How soon the scheduler reads its settings again after a failed read.
+const SETTINGS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs the pipeline at every tick of the `schedule` setting.
 pub struct PipelineScheduler {
     pub pipeline: Pipeline,
@@ -207,8 +240,11 @@ impl PipelineScheduler {
             let schedule = match self.pipeline.settings.get().await {
                 Ok(s) => s.schedule.parse::<Schedule>(),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the schedule");
-                    Ok(Schedule::Off)
+                    tracing::warn!(error = %e, retry_in = ?SETTINGS_RETRY, "cannot read the schedule; will try again");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(SETTINGS_RETRY) => continue,
+                    }
                 }
             };
             let next = match schedule {

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{delay_queue, DelayQueue};
 
@@ -27,6 +26,11 @@ use crate::settings::SettingsCache;
 use crate::status::Status;
 use crate::transition::Transition;
 use crate::worker::GeneratorHandle;
+
+/// How soon an issue whose retry state could not be read is looked at again.
+const RECHECK_AFTER_ERROR: Duration = Duration::from_secs(5);
+/// The longest a retry timer is set for at a time.
+const MAX_TIMER: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The retry service of one instance.
 pub struct RetryScheduler {
@@ -71,7 +75,7 @@ impl RetryScheduler {
                 Some(expired) = state.timers.next(), if !state.timers.is_empty() => {
                     let id = expired.into_inner();
                     state.pending.remove(&id);
-                    self.retry(id).await;
+                    self.retry(&mut state, id).await;
                 }
             }
         }
@@ -90,38 +94,44 @@ impl RetryScheduler {
     }
 
     /// Feeds one transition to its issue's machine and carries out the
-    /// reaction.
+    /// reaction. A machine is kept only while a retry of its issue is
+    /// pending; otherwise the next transition's `from` rebuilds it, so the
+    /// scheduler's memory follows the retries due, not every issue seen.
     async fn observe(&self, state: &mut State, t: &Transition) {
-        let machine = state
+        let id = t.issue_id;
+        let mut machine = state
             .machines
-            .entry(t.issue_id)
-            .or_insert_with(|| IssueMachine::at(t.from.unwrap_or(Status::Pending)));
+            .remove(&id)
+            .unwrap_or_else(|| IssueMachine::at(t.from.unwrap_or(Status::Pending)));
         let reaction = match machine.observe(t.to) {
             Ok(reaction) => reaction,
             Err(illegal) => {
                 // Only possible if this machine started from a stale view;
                 // the log is the truth, so follow it.
-                tracing::warn!(issue = t.issue_id, %illegal, "resynchronising the issue's machine");
-                *machine = IssueMachine::at(t.to);
+                tracing::warn!(issue = id, %illegal, "resynchronising the issue's machine");
+                machine = IssueMachine::at(t.to);
                 None
             }
         };
+        state.machines.insert(id, machine);
         match reaction {
-            Some(Reaction::ConsiderRetry) => self.schedule(state, t.issue_id).await,
-            Some(Reaction::Finished) => {
-                state.machines.remove(&t.issue_id);
-            }
-            Some(Reaction::WorkStarted) | Some(Reaction::BecameClaimable) => {
-                // Claimed by someone, or reset: no retry is due any more.
-                if let Some(key) = state.pending.remove(&t.issue_id) {
+            Some(Reaction::ConsiderRetry) => self.schedule(state, id).await,
+            Some(Reaction::WorkStarted | Reaction::BecameClaimable | Reaction::Finished) => {
+                // Claimed by someone, reset, or done: no retry is due now.
+                if let Some(key) = state.pending.remove(&id) {
                     state.timers.remove(&key);
                 }
             }
             None => {}
         }
+        if !state.pending.contains_key(&id) {
+            state.machines.remove(&id);
+        }
     }
 
-    /// Schedules a retry of a `FAILED` issue if it has attempts left.
+    /// Schedules a retry of a `FAILED` issue if it has attempts left. When
+    /// the database cannot say, it asks again after [`RECHECK_AFTER_ERROR`]
+    /// rather than forget the issue.
     async fn schedule(&self, state: &mut State, id: i64) {
         let decided = async {
             let settings = self.settings.get().await?;
@@ -132,7 +142,8 @@ impl RetryScheduler {
         let (settings, found) = match decided.await {
             Ok(v) => v,
             Err(e) => {
-                tracing::warn!(issue = id, error = %e, "cannot schedule a retry; the lease reaper will bring it back");
+                tracing::warn!(issue = id, error = %e, retry_in = ?RECHECK_AFTER_ERROR, "cannot read the issue's retry state; will look again");
+                self.arm(state, id, RECHECK_AFTER_ERROR);
                 return;
             }
         };
@@ -149,26 +160,42 @@ impl RetryScheduler {
             state.machines.remove(&id);
             return;
         }
-        let mut delay = settings.retry_delay(issue.attempts);
-        if let Some(not_before) = issue.retry_not_before {
-            let wait = (not_before - OffsetDateTime::now_utc()).max(time::Duration::ZERO);
-            delay = delay.max(Duration::try_from(wait).unwrap_or_default());
-        }
+        // `not_due_for` is measured on the database's clock, which decides
+        // whether the retry claim may take the issue.
+        let delay = settings
+            .retry_delay(issue.attempts)
+            .max(issue.not_due_for.unwrap_or_default());
         tracing::debug!(
             issue = id,
             attempts = issue.attempts,
             ?delay,
             "retry scheduled"
         );
+        self.arm(state, id, delay);
+    }
+
+    /// (Re)sets the issue's retry timer. A far-off `Retry-After` (or a
+    /// `retry_not_before` written by hand) waits at most [`MAX_TIMER`] at a
+    /// time: the claim then finds the issue not yet due and it is scheduled
+    /// again.
+    fn arm(&self, state: &mut State, id: i64, delay: Duration) {
         if let Some(key) = state.pending.remove(&id) {
             state.timers.remove(&key);
         }
-        let key = state.timers.insert(id, delay);
+        let key = state.timers.insert(id, delay.min(MAX_TIMER));
         state.pending.insert(id, key);
+        state
+            .machines
+            .entry(id)
+            .or_insert_with(|| IssueMachine::at(Status::Failed));
     }
 
-    /// Claims a due retry; whoever wins generates it.
-    async fn retry(&self, id: i64) {
+    /// Claims a due retry; whoever wins generates it. A claim that takes
+    /// nothing (another instance won it, or the issue is not due yet by the
+    /// database's clock, or its row was locked at that moment) or fails
+    /// re-reads the issue and schedules it again if it still waits for a
+    /// retry.
+    async fn retry(&self, state: &mut State, id: i64) {
         let attempt = async {
             let settings = self.settings.get().await?;
             self.claimer
@@ -188,11 +215,20 @@ impl RetryScheduler {
                 );
                 self.generator.submit(outcome.claimed);
             }
-            Ok(_) => tracing::debug!(
-                issue = id,
-                "retry not claimable here (taken elsewhere or not due)"
-            ),
-            Err(e) => tracing::warn!(issue = id, error = %e, "retry claim failed"),
+            Ok(_) => {
+                tracing::debug!(
+                    issue = id,
+                    "retry not claimed here (taken elsewhere, not due, or locked)"
+                );
+                self.schedule(state, id).await;
+            }
+            Err(e) => {
+                tracing::warn!(issue = id, error = %e, "retry claim failed");
+                self.schedule(state, id).await;
+            }
+        }
+        if !state.pending.contains_key(&id) {
+            state.machines.remove(&id);
         }
     }
 }

@@ -66,6 +66,8 @@ pub struct RunningService {
     shutdown: CancellationToken,
     core: Core,
     http: tokio::task::JoinHandle<Result<(), std::io::Error>>,
+    /// How long open connections may take to finish after shutdown begins.
+    http_drain: Duration,
     embedded: Option<EmbeddedPostgres>,
 }
 
@@ -76,9 +78,19 @@ impl RunningService {
     }
 
     /// Waits until shutdown is requested and everything has stopped.
-    pub async fn wait(self) -> Result<(), ServeError> {
+    pub async fn wait(mut self) -> Result<(), ServeError> {
         self.shutdown.cancelled().await;
-        let http = self.http.await;
+        // Streams and waits end themselves on shutdown, but a client that
+        // stopped reading keeps its connection's write pending: such
+        // connections are cut after the grace period.
+        let http = match tokio::time::timeout(self.http_drain, &mut self.http).await {
+            Ok(http) => http,
+            Err(_) => {
+                tracing::warn!(grace = ?self.http_drain, "connections still open after the grace period; closing them");
+                self.http.abort();
+                Ok(Ok(()))
+            }
+        };
         // Close pooled sessions before the embedded server goes away.
         self.core.stopped().await;
         if let Some(cluster) = self.embedded {
@@ -289,6 +301,7 @@ pub async fn start(
         shutdown,
         core,
         http,
+        http_drain: options.grace,
         embedded,
     })
 }

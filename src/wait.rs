@@ -19,9 +19,11 @@
 //! It subscribes to the listener first, then reads the targets' state and
 //! the log position in one snapshot, so no transition can fall between;
 //! from then on it only consumes transitions (the NOTIFY payload carries
-//! attempts and whether a failure is fatal), never polling. After a
-//! listener reconnect it re-reads the targets once. Any number of waits
-//! share the process's one listener.
+//! attempts and whether a failure is fatal), never polling. The stream is
+//! gapless across listener reconnects (the listener catches up from the log,
+//! and a lagging stream re-reads it), so nothing is re-read mid-wait and the
+//! deadline is never held up by a query. Any number of waits share the
+//! process's one listener.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -185,7 +187,6 @@ impl Target {
 /// A wait that is subscribed and has read its targets: nothing that happens
 /// from here on can be missed. Resolve it with [`ArmedWait::outcome`].
 pub struct ArmedWait {
-    hub: TransitionHub,
     request: WaitRequest,
     targets: BTreeMap<i64, Target>,
     stream: TransitionStream,
@@ -199,7 +200,6 @@ impl ArmedWait {
         let live = hub.subscribe();
         let (targets, seq) = read_targets(hub, &request.issue_ids).await?;
         Ok(ArmedWait {
-            hub: hub.clone(),
             stream: TransitionStream::live_after(hub.pool().clone(), live, seq),
             targets,
             request,
@@ -215,8 +215,6 @@ impl ArmedWait {
         .state_machine();
         let deadline = tokio::time::sleep_until((self.started + self.request.timeout).into());
         tokio::pin!(deadline);
-        let mut listener = self.hub.status();
-        let mut reconnects = listener.borrow_and_update().reconnects;
         decision.handle(&self.progress());
         while decision.state().outcome().is_none() {
             tokio::select! {
@@ -231,26 +229,6 @@ impl ArmedWait {
                 }
                 _ = &mut deadline => {
                     decision.handle(&WaitEvent::Deadline { done: self.done_count() });
-                }
-                Ok(()) = listener.changed() => {
-                    let (now, connected) = {
-                        let status = listener.borrow_and_update();
-                        (status.reconnects, status.connected)
-                    };
-                    // Once the listener is back (and caught up), not while
-                    // the database is still out of reach.
-                    if connected && now != reconnects {
-                        reconnects = now;
-                        // Belt and braces: the stream already caught up from
-                        // the log, but re-read the targets once.
-                        match read_targets(&self.hub, &self.request.issue_ids).await {
-                            Ok((targets, _)) => {
-                                self.targets = targets;
-                                decision.handle(&self.progress());
-                            }
-                            Err(e) => tracing::warn!(error = %e, "could not re-read the wait's targets; following the stream"),
-                        }
-                    }
                 }
             }
         }

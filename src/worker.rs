@@ -48,19 +48,47 @@ pub enum Generated {
 #[derive(Clone)]
 pub struct GeneratorHandle {
     queue: mpsc::UnboundedSender<ClaimedIssue>,
+    pool: DbPool,
 }
 
 impl GeneratorHandle {
-    /// Queues claimed issues for generation. Issues handed in after shutdown
-    /// began are released as `FAILED` (reason `shutdown`) by the generator.
+    /// Queues claimed issues for generation. Issues handed in after the
+    /// generator stopped taking work (a claim that committed while shutdown
+    /// began) are released as `FAILED` with reason `shutdown` at once, so
+    /// they do not wait out their lease.
     pub fn submit(&self, issues: Vec<ClaimedIssue>) {
+        let mut refused = Vec::new();
         for issue in issues {
             if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
-                tracing::warn!(
-                    issue = issue.id,
-                    "generator stopped; the lease will return this issue"
-                );
+                refused.push((issue.id, issue.claim_id));
             }
+        }
+        if !refused.is_empty() {
+            tokio::spawn(release_as_shutdown(self.pool.clone(), refused));
+        }
+    }
+}
+
+/// Marks claims this instance will not generate `FAILED` with reason
+/// `shutdown` (fenced by their claim), to be retried elsewhere. Best effort:
+/// what cannot be written returns with its lease.
+async fn release_as_shutdown(pool: DbPool, claims: Vec<(i64, i64)>) {
+    tracing::info!(
+        count = claims.len(),
+        "releasing unfinished generations as FAILED (shutdown)"
+    );
+    let client = match pool.get().await {
+        Ok(client) => client,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not release; the lease will");
+            return;
+        }
+    };
+    for (id, claim_id) in claims {
+        if let Err(e) =
+            issue::fail(&client, id, claim_id, "shutdown", RetryPolicy::After(None)).await
+        {
+            tracing::warn!(issue = id, error = %e, "could not release; the lease will");
         }
     }
 }
@@ -86,6 +114,7 @@ impl Generator {
         grace: Duration,
     ) -> (Generator, GeneratorHandle) {
         let (tx, rx) = mpsc::unbounded_channel();
+        let handle_pool = pool.clone();
         (
             Generator {
                 completer: Completer::start(pool.clone(), writer.name()),
@@ -96,7 +125,10 @@ impl Generator {
                 queue: rx,
                 grace,
             },
-            GeneratorHandle { queue: tx },
+            GeneratorHandle {
+                queue: tx,
+                pool: handle_pool,
+            },
         )
     }
 
@@ -167,21 +199,8 @@ impl Generator {
         inflight.abort_all();
         while inflight.join_next().await.is_some() {}
         release.extend(claims.into_values());
-        if release.is_empty() {
-            return;
-        }
-        tracing::info!(
-            count = release.len(),
-            "releasing unfinished generations as FAILED (shutdown)"
-        );
-        if let Ok(client) = self.pool.get().await {
-            for (id, claim_id) in release {
-                if let Err(e) =
-                    issue::fail(&client, id, claim_id, "shutdown", RetryPolicy::After(None)).await
-                {
-                    tracing::warn!(issue = id, error = %e, "could not release; the lease will");
-                }
-            }
+        if !release.is_empty() {
+            release_as_shutdown(self.pool.clone(), release).await;
         }
     }
 }
@@ -262,7 +281,24 @@ async fn generate(
             )
         }
         Err(e) => {
-            tracing::error!(issue = claimed.id, error = %e, "could not record the outcome; the lease will return the issue")
+            // Say why at once rather than wait out the lease: the failure is
+            // recorded (fenced, retryable) if the database takes it.
+            tracing::error!(issue = claimed.id, error = %e, "could not record the outcome");
+            let reason = format!("could not record the outcome: {e}");
+            let released = async {
+                let client = pool.get().await?;
+                issue::fail(
+                    &client,
+                    claimed.id,
+                    claimed.claim_id,
+                    &reason,
+                    RetryPolicy::After(None),
+                )
+                .await
+            };
+            if let Err(e) = released.await {
+                tracing::warn!(issue = claimed.id, error = %e, "could not record the failure either; the lease will return the issue");
+            }
         }
     }
 }

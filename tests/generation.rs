@@ -6,12 +6,13 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
 use common::{until_sql, within, TestDb};
-use newsnack::writer::{self, SharedWriter, WriterConfig};
+use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 
 fn llm_writer(fake: &FakeLlm, timeout: Duration) -> SharedWriter {
     writer::build(&WriterConfig {
@@ -339,4 +340,158 @@ async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
     .await;
     assert!(status.success(), "{status:?}");
     stop_listener.cancel();
+}
+
+/// Claim statements run in this test's database so far.
+async fn claim_statements(db: &TestDb) -> i64 {
+    db.scalar_i64(
+        "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND query LIKE 'WITH claimable AS MATERIALIZED%'",
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
+    let db = TestDb::new().await;
+    db.count_statements().await;
+    db.set("retry_backoff_ms", "50").await;
+    let service = db
+        .serve("retry-locked", Arc::new(OfflineWriter) as SharedWriter)
+        .await;
+    let id = db.add_issues(1).await[0];
+    let sql = db.raw().await;
+    // Another system fails the issue, asking for the retry in a second.
+    db.move_with_sql(&[id], &["IN_PROGRESS"]).await;
+    sql.execute(
+        "UPDATE issue SET processing_status = 'FAILED', last_error = 'theirs',
+                retry_not_before = now() + interval '1 second' WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    let before = claim_statements(&db).await;
+    // Someone holds the row when the retry comes: SKIP LOCKED passes it by.
+    let mut holder = db.raw().await;
+    let lock = holder.transaction().await.unwrap();
+    lock.execute("SELECT 1 FROM issue WHERE id = $1 FOR UPDATE", &[&id])
+        .await
+        .unwrap();
+    within(
+        30,
+        "the retry's claim to run while the row is held",
+        async {
+            while claim_statements(&db).await == before {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT count(*) FROM issue WHERE id = {id} AND processing_status = 'FAILED'"
+        ))
+        .await,
+        1,
+        "the held row was passed by"
+    );
+    lock.commit().await.unwrap();
+    // Not forgotten: it is tried again and done.
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {id}"),
+    )
+    .await;
+    service.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_retry_due_in_years_neither_runs_early_nor_stops_the_others() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "10").await;
+    let service = db
+        .serve("retry-far", Arc::new(OfflineWriter) as SharedWriter)
+        .await;
+    let ids = db.add_issues(2).await;
+    let (far, near) = (ids[0], ids[1]);
+    let sql = db.raw().await;
+    db.move_with_sql(&ids, &["IN_PROGRESS"]).await;
+    // Written by hand (or from a huge Retry-After): due in ten years.
+    sql.execute(
+        "UPDATE issue SET processing_status = 'FAILED', last_error = 'later',
+                retry_not_before = now() + interval '10 years' WHERE id = $1",
+        &[&far],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status = 'FAILED', last_error = 'now' WHERE id = $1",
+        &[&near],
+    )
+    .await
+    .unwrap();
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {near}"),
+    )
+    .await;
+    // A failure after the far one was scheduled is retried too: the
+    // scheduler is still running.
+    let later = db.add_issues(1).await[0];
+    db.move_with_sql(&[later], &["IN_PROGRESS", "FAILED"]).await;
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {later}"),
+    )
+    .await;
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT count(*) FROM issue WHERE id = {far} AND processing_status = 'FAILED'"
+        ))
+        .await,
+        1,
+        "the far retry waits"
+    );
+    service.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_outcome_that_cannot_be_recorded_fails_at_once_with_the_reason() {
+    let db = TestDb::new().await;
+    db.set("max_attempts", "1").await;
+    let service = db
+        .serve("unrecordable", Arc::new(OfflineWriter) as SharedWriter)
+        .await;
+    let id = db.add_issues(1).await[0];
+    // Another system already stored an article for it: recording ours
+    // violates the one-article-per-issue index.
+    db.raw()
+        .await
+        .execute(
+            "INSERT INTO ai_article (issue_id, headline, body, writer, claim_id) VALUES ($1, 'theirs', 'theirs', 'elsewhere', 0)",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &[id]).await;
+    assert_eq!(status, 202);
+    // Not a lease's wait (60 s) and "lease expired", but the real reason.
+    until_sql(
+        &db,
+        &service.hub,
+        20,
+        &format!(
+            "SELECT processing_status = 'FAILED' AND last_error LIKE 'could not record the outcome:%'
+               FROM issue WHERE id = {id}"
+        ),
+    )
+    .await;
+    service.stop().await.unwrap();
 }

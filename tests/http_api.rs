@@ -1265,3 +1265,54 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     until_sql(&db, &service.hub, 30, "SELECT count(*) = 4 FROM ai_article").await;
     service.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issues_claimed_for_a_client_that_hung_up_are_still_generated() {
+    let db = TestDb::new().await;
+    let service = db
+        .serve("hang-up", Arc::new(OfflineWriter) as SharedWriter)
+        .await;
+    let ids = db.add_issues(200).await;
+    // Each client sends its request and hangs up without waiting for the
+    // answer, so some handlers are dropped while their claim is running.
+    let addr = service.addr;
+    let posts = ids.iter().map(|&id| async move {
+        use tokio::io::AsyncWriteExt;
+        let body = format!(r#"{{"issue_ids":[{id}]}}"#);
+        let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+        socket
+            .write_all(
+                format!(
+                    "POST /ai-articles HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .as_bytes(),
+            )
+            .await
+            .unwrap();
+        drop(socket);
+    });
+    futures::future::join_all(posts).await;
+    // Whatever was claimed is generated, not left IN_PROGRESS for a lease.
+    until_sql(
+        &db,
+        &service.hub,
+        20,
+        "SELECT count(*) = 0 FROM issue WHERE processing_status = 'IN_PROGRESS'",
+    )
+    .await;
+    let done = db
+        .scalar_i64("SELECT count(*) FROM issue WHERE processing_status = 'DONE'")
+        .await;
+    let pending = db
+        .scalar_i64("SELECT count(*) FROM issue WHERE processing_status = 'PENDING'")
+        .await;
+    assert_eq!(done + pending, 200, "every issue done or never claimed");
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM ai_article").await,
+        done,
+        "one article per done issue"
+    );
+    eprintln!("hung-up clients: {done} issues claimed and generated, {pending} never claimed");
+    service.stop().await.unwrap();
+}

@@ -461,8 +461,9 @@ pub struct RetryState {
     pub id: i64,
     pub status: Status,
     pub attempts: i32,
-    /// Not before this time (finite), if set.
-    pub retry_not_before: Option<OffsetDateTime>,
+    /// How long until `retry_not_before` (finite) by the database's clock,
+    /// if it is set and still ahead.
+    pub not_due_for: Option<std::time::Duration>,
     /// A fatal failure: no automatic retry at all.
     pub never: bool,
 }
@@ -475,7 +476,8 @@ pub async fn retry_state(
     let statement = client
         .prepare_cached(
             "SELECT id, processing_status, attempts,
-                    CASE WHEN isfinite(retry_not_before) THEN retry_not_before END,
+                    CASE WHEN isfinite(retry_not_before) AND retry_not_before > now()
+                         THEN extract(epoch FROM retry_not_before - now())::float8 END,
                     COALESCE(retry_not_before = 'infinity', false)
                FROM issue WHERE id = ANY($1) ORDER BY id",
         )
@@ -484,19 +486,27 @@ pub async fn retry_state(
         .query(&statement, &[&ids])
         .await?
         .iter()
-        .map(|r| {
-            let status: String = r.get(1);
-            Ok(RetryState {
-                id: r.get(0),
-                status: status
-                    .parse()
-                    .map_err(|e| DbError::Invalid(format!("{e}")))?,
-                attempts: r.get(2),
-                retry_not_before: r.get(3),
-                never: r.get(4),
-            })
-        })
+        .map(RetryState::from_row)
         .collect()
+}
+
+impl RetryState {
+    /// From columns `id, processing_status, attempts, seconds until
+    /// retry_not_before (or NULL), retry_not_before = 'infinity'`.
+    fn from_row(r: &tokio_postgres::Row) -> Result<RetryState, DbError> {
+        let status: String = r.get(1);
+        Ok(RetryState {
+            id: r.get(0),
+            status: status
+                .parse()
+                .map_err(|e| DbError::Invalid(format!("{e}")))?,
+            attempts: r.get(2),
+            not_due_for: r
+                .get::<_, Option<f64>>(3)
+                .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok()),
+            never: r.get(4),
+        })
+    }
 }
 
 /// `FAILED` issues that still have attempts left, for a retry scheduler
@@ -530,7 +540,8 @@ pub async fn wait_targets(
     let statement = client
         .prepare_cached(
             "SELECT id, processing_status, attempts,
-                    CASE WHEN isfinite(retry_not_before) THEN retry_not_before END,
+                    CASE WHEN isfinite(retry_not_before) AND retry_not_before > now()
+                         THEN extract(epoch FROM retry_not_before - now())::float8 END,
                     COALESCE(retry_not_before = 'infinity', false),
                     (SELECT COALESCE(max(seq), 0) FROM issue_transition)
                FROM issue WHERE id = ANY($1)
@@ -543,19 +554,9 @@ pub async fn wait_targets(
     let mut targets = Vec::new();
     for r in rows {
         seq = r.get(5);
-        let Some(id) = r.get::<_, Option<i64>>(0) else {
-            continue;
-        };
-        let status: String = r.get(1);
-        targets.push(RetryState {
-            id,
-            status: status
-                .parse()
-                .map_err(|e| DbError::Invalid(format!("{e}")))?,
-            attempts: r.get(2),
-            retry_not_before: r.get(3),
-            never: r.get(4),
-        });
+        if r.get::<_, Option<i64>>(0).is_some() {
+            targets.push(RetryState::from_row(&r)?);
+        }
     }
     Ok((targets, seq))
 }

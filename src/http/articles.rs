@@ -7,7 +7,8 @@
 //! skipped without asking the database: when batches overlap, most requested
 //! ids are. The rest go to the [`crate::claim::Claimer`], which merges
 //! concurrent requests into one statement; the `DONE` ids it reports are
-//! remembered.
+//! remembered. What a claim took reaches the generator even if the client
+//! hangs up before the answer.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -48,10 +49,19 @@ pub async fn request_articles(
         (Vec::new(), done)
     } else {
         let settings = state.settings.get().await?;
-        let outcome = state
-            .claimer
-            .claim(open, settings.lease(), ClaimScope::Claimable)
-            .await?;
+        // Claimed issues go to the generator from a task of their own: a
+        // client that disconnects mid-claim drops this handler, and the
+        // issues its claim took must still be generated.
+        let (claimer, generator) = (state.claimer.clone(), state.generator.clone());
+        let outcome = tokio::spawn(async move {
+            let outcome = claimer
+                .claim(open, settings.lease(), ClaimScope::Claimable)
+                .await?;
+            generator.submit(outcome.claimed.clone());
+            Ok::<_, crate::db::DbError>(outcome)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("the claim task failed: {e}")))??;
         for &id in &outcome.done {
             state.done.insert(id);
         }
@@ -70,6 +80,5 @@ pub async fn request_articles(
             body,
         ));
     }
-    state.generator.submit(claimed);
     Ok((StatusCode::ACCEPTED, Json(body)))
 }

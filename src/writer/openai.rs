@@ -337,11 +337,16 @@ fn retry_after(headers: &HeaderMap, now: OffsetDateTime) -> Option<Duration> {
     parse_retry_after(value, now)
 }
 
-/// `"120"` or `"Sun, 06 Nov 1994 08:49:37 GMT"`; a date in the past means now.
+/// The longest `Retry-After` honoured: a server asking for more is retried
+/// after a day (and may say so again).
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// `"120"` or `"Sun, 06 Nov 1994 08:49:37 GMT"`; a date in the past means
+/// now; at most [`MAX_RETRY_AFTER`].
 pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
     let value = value.trim();
     if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
+        return Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER));
     }
     let format = time::macros::format_description!(
         "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
@@ -349,7 +354,11 @@ pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
     let at = time::PrimitiveDateTime::parse(value, &format)
         .ok()?
         .assume_utc();
-    Some(Duration::try_from(at - now).unwrap_or(Duration::ZERO))
+    Some(
+        Duration::try_from(at - now)
+            .unwrap_or(Duration::ZERO)
+            .min(MAX_RETRY_AFTER),
+    )
 }
 
 /// The text of the first choice of a chat-completions answer.
@@ -766,6 +775,12 @@ mod tests {
             Some(Duration::from_secs(120))
         );
         assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
+        // Far-off answers wait a day at most.
+        assert_eq!(parse_retry_after("100000000", now), Some(MAX_RETRY_AFTER));
+        assert_eq!(
+            parse_retry_after("Fri, 01 Jan 2100 00:00:00 GMT", now),
+            Some(MAX_RETRY_AFTER)
+        );
         assert_eq!(
             parse_retry_after("Wed, 21 Oct 2015 07:30:00 GMT", now),
             Some(Duration::from_secs(120))
