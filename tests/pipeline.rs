@@ -126,6 +126,32 @@ async fn a_run_whose_articles_cannot_be_written_skips_and_publishes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_with_no_article_records_its_outcome_and_no_briefing() {
+    let db = TestDb::new().await;
+    // With a minimum of 0 a run passes even when every article failed.
+    db.set("content_gen_min_completion", "0").await;
+    scored_issues(&db, &[1.0, 2.0, 3.0]).await;
+    let fake = FakeLlm::start(|_, _| Reply::BadRequest).await;
+    let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], Some(&fake.url)));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    assert!(
+        summary["outcome"] == "all_pass" || summary["outcome"] == "timeout_pass",
+        "{summary}"
+    );
+    assert_eq!(summary["briefing_id"], serde_json::Value::Null);
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
+    assert_eq!(
+        db.scalar_i64(
+            "SELECT count(*) FROM pipeline_run
+              WHERE outcome LIKE '%pass' AND error = 'no article completed: no briefing'"
+        )
+        .await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn today_newsnack_uses_exactly_the_given_ids_or_says_which_are_not_done() {
     let db = TestDb::new().await;
     let service = db.serve("assembly", Arc::new(OfflineWriter)).await;
