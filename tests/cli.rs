@@ -180,6 +180,11 @@ async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
         (&["settings", "set", "top_k", "0"], "between 1 and 100"),
         (&["settings", "set", "top_k", "five"], "whole number"),
         (&["settings", "set", "nope", "1"], "unknown setting"),
+        // The right shape for the database, but no minute 61.
+        (
+            &["settings", "set", "schedule", "61 * * * *"],
+            "invalid schedule",
+        ),
         (&["settings", "get", "nope"], "unknown setting"),
         (&["issues", "show", "424242"], "no issue with id 424242"),
         (
@@ -200,6 +205,12 @@ async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
         assert!(!out.status.success(), "{args:?} should fail");
         assert!(err.contains(expected), "{args:?}: {err}");
     }
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM setting WHERE key = 'schedule' AND value = 'off'")
+            .await,
+        1,
+        "a rejected setting is not stored"
+    );
     let dead = newsnack("postgres://nobody@127.0.0.1:1/none", &["status"]);
     let err = text(&dead.stderr);
     assert_eq!(dead.status.code(), Some(1));
