@@ -198,6 +198,46 @@ async fn inserts_are_logged_as_the_initial_pending() {
 }
 
 #[tokio::test]
+async fn a_raw_sql_claim_cannot_go_without_a_token_or_reuse_an_old_one() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let other = db.raw().await;
+    let token = || async {
+        other
+            .query_one("SELECT claim_id FROM issue WHERE id=$1", &[&id])
+            .await
+            .unwrap()
+            .get::<_, Option<i64>>(0)
+    };
+    db.move_with_sql(&[id], &["IN_PROGRESS", "FAILED"]).await;
+    let first = token().await.expect("a claim has a token");
+    // Claiming with no token, then with the token of the earlier claim.
+    for stale in [None, Some(first)] {
+        other
+            .execute(
+                "UPDATE issue SET processing_status='IN_PROGRESS', claim_id=$2 WHERE id=$1",
+                &[&id, &stale],
+            )
+            .await
+            .unwrap();
+        let now = token().await.expect("never without a token");
+        assert!(now > first, "a fresh token, not {stale:?}: {now}");
+        db.move_with_sql(&[id], &["FAILED"]).await;
+    }
+    // A writer that drew a newer token itself keeps it.
+    let drawn: i64 = other
+        .query_one(
+            "UPDATE issue SET processing_status='IN_PROGRESS', claim_id=nextval('issue_claim_id_seq')
+              WHERE id=$1 RETURNING claim_id",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(token().await, Some(drawn));
+}
+
+#[tokio::test]
 async fn claim_bumps_attempts_and_issues_a_new_fencing_token_for_any_writer() {
     let db = TestDb::new().await;
     let id = db.add_issues(1).await[0];

@@ -35,6 +35,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "pipeline",
         sql: include_str!("../../sql/0004_pipeline.sql"),
     },
+    Migration {
+        version: 5,
+        name: "claim token",
+        sql: include_str!("../../sql/0005_claim_token.sql"),
+    },
 ];
 
 /// What a migration run did.
