@@ -119,6 +119,8 @@ pub async fn run() -> Result<(), DemoError> {
     );
     let mut stream = core.hub.stream_after(0, None);
     let printer_stop = CancellationToken::new();
+    // The last `seq` the printer has shown.
+    let (printed_tx, mut printed) = tokio::sync::watch::channel(0i64);
     let printer = {
         let stop = printer_stop.clone();
         tokio::spawn(async move {
@@ -127,7 +129,10 @@ pub async fn run() -> Result<(), DemoError> {
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     next = stream.next() => match next {
-                        Ok(t) => say(&mut out, &format!("  {}", tail::render(&t, style))),
+                        Ok(t) => {
+                            say(&mut out, &format!("  {}", tail::render(&t, style)));
+                            printed_tx.send_replace(t.seq);
+                        }
                         Err(_) => return,
                     },
                 }
@@ -138,12 +143,7 @@ pub async fn run() -> Result<(), DemoError> {
     let result = core.pipeline().run_locked(Trigger::Manual, &shutdown).await;
     // Let the printer catch up with the log before summarising.
     let last = db::transition::last_seq(&**core.pool.get().await.map_err(DbError::from)?).await?;
-    let mut status = core.hub.status();
-    let _ = tokio::time::timeout(
-        Duration::from_secs(2),
-        status.wait_for(|s| s.last_seq >= last),
-    )
-    .await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), printed.wait_for(|&p| p >= last)).await;
     printer_stop.cancel();
     let _ = printer.await;
 
