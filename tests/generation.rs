@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
-use common::{until_sql, within, TestDb};
+use common::{until_sql, until_status, within, TestDb};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 
 fn llm_writer(fake: &FakeLlm, timeout: Duration) -> SharedWriter {
@@ -191,13 +191,7 @@ async fn failures_written_by_other_systems_are_retried_and_exhausted_ones_stay_f
     )
     .await
     .unwrap();
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {theirs}"),
-    )
-    .await;
+    until_status(&db, &service.hub, 30, theirs, "DONE").await;
 
     let broken: i64 = sql
         .query_one(
@@ -389,22 +383,13 @@ async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
     )
     .await;
     assert_eq!(
-        db.scalar_i64(&format!(
-            "SELECT count(*) FROM issue WHERE id = {id} AND processing_status = 'FAILED'"
-        ))
-        .await,
-        1,
+        db.status_of(id).await,
+        "FAILED",
         "the held row was passed by"
     );
     lock.commit().await.unwrap();
     // Not forgotten: it is tried again and done.
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {id}"),
-    )
-    .await;
+    until_status(&db, &service.hub, 30, id, "DONE").await;
     service.stop().await.unwrap();
 }
 
@@ -433,32 +418,13 @@ async fn a_retry_due_in_years_neither_runs_early_nor_stops_the_others() {
     )
     .await
     .unwrap();
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {near}"),
-    )
-    .await;
+    until_status(&db, &service.hub, 30, near, "DONE").await;
     // A failure after the far one was scheduled is retried too: the
     // scheduler is still running.
     let later = db.add_issues(1).await[0];
     db.move_with_sql(&[later], &["IN_PROGRESS", "FAILED"]).await;
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {later}"),
-    )
-    .await;
-    assert_eq!(
-        db.scalar_i64(&format!(
-            "SELECT count(*) FROM issue WHERE id = {far} AND processing_status = 'FAILED'"
-        ))
-        .await,
-        1,
-        "the far retry waits"
-    );
+    until_status(&db, &service.hub, 30, later, "DONE").await;
+    assert_eq!(db.status_of(far).await, "FAILED", "the far retry waits");
     service.stop().await.unwrap();
 }
 

@@ -14,7 +14,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use common::{until_sql, within, TestDb};
+use common::{until_sql, until_status, within, TestDb};
 use deadpool_postgres::GenericClient;
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
@@ -267,13 +267,7 @@ async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
     )
     .await;
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {done}"),
-    )
-    .await;
+    until_status(&db, &service.hub, 30, done, "DONE").await;
 
     let before = snapshot(&db).await;
     let mut failures = Vec::new();
@@ -338,13 +332,7 @@ async fn every_bad_request_gets_a_json_4xx_and_changes_nothing() {
     .await;
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
     assert_eq!(answer["claimed"], json!([pending]));
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {pending}"),
-    )
-    .await;
+    until_status(&db, &service.hub, 30, pending, "DONE").await;
     assert_ne!(snapshot(&db).await, before);
     service.stop().await.unwrap();
 }

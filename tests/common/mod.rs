@@ -293,6 +293,16 @@ impl TestDb {
         .await
     }
 
+    /// An issue's status, for assertions.
+    pub async fn status_of(&self, id: i64) -> String {
+        let client = self.pool.get().await.unwrap();
+        client
+            .query_one("SELECT processing_status FROM issue WHERE id = $1", &[&id])
+            .await
+            .unwrap()
+            .get(0)
+    }
+
     /// One scalar from a query, for assertions.
     pub async fn scalar_i64(&self, sql: &str) -> i64 {
         let client = self.pool.get().await.unwrap();
@@ -316,6 +326,17 @@ pub async fn until_sql(db: &TestDb, hub: &TransitionHub, secs: u64, sql: &str) {
             let _ = live.recv().await;
         }
     })
+    .await
+}
+
+/// Waits until issue `id` is in `status` (see [`until_sql`]).
+pub async fn until_status(db: &TestDb, hub: &TransitionHub, secs: u64, id: i64, status: &str) {
+    until_sql(
+        db,
+        hub,
+        secs,
+        &format!("SELECT processing_status = '{status}' FROM issue WHERE id = {id}"),
+    )
     .await
 }
 
