@@ -58,7 +58,7 @@ pub async fn assemble(pool: &DbPool, issue_ids: &[i64]) -> Result<Assembled, Ass
     );
     let mut body = format!("# {title}\n\n");
     body.push_str(&format!(
-        "Today's {} stor{}, hottest first.\n\n",
+        "Today's {} stor{}.\n\n",
         articles.len(),
         if articles.len() == 1 { "y" } else { "ies" }
     ));

@@ -114,7 +114,11 @@ pub async fn insert_issues(
     let rows = client
         .query(&statement, &[&titles, &bodies, &scores, &collected])
         .await?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
+    // Identity values are drawn row by row in `ord` order, so sorting the
+    // ids restores input order whatever order RETURNING reports them in.
+    let mut ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    ids.sort_unstable();
+    Ok(ids)
 }
 
 const VIEW_COLUMNS: &str = "id, title, body, score, collected_at, processing_status, attempts, \
