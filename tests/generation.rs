@@ -356,18 +356,19 @@ async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
         .await;
     let id = db.add_issues(1).await[0];
     let sql = db.raw().await;
-    // Another system fails the issue, asking for the retry in a second.
+    let mut holder = db.raw().await;
+    let before = claim_statements(&db).await;
+    // Another system fails the issue, asking for the retry in 3 s, and at
+    // once someone holds the row: when the retry comes, SKIP LOCKED passes
+    // it by.
     db.move_with_sql(&[id], &["IN_PROGRESS"]).await;
     sql.execute(
         "UPDATE issue SET processing_status = 'FAILED', last_error = 'theirs',
-                retry_not_before = now() + interval '1 second' WHERE id = $1",
+                retry_not_before = now() + interval '3 seconds' WHERE id = $1",
         &[&id],
     )
     .await
     .unwrap();
-    let before = claim_statements(&db).await;
-    // Someone holds the row when the retry comes: SKIP LOCKED passes it by.
-    let mut holder = db.raw().await;
     let lock = holder.transaction().await.unwrap();
     lock.execute("SELECT 1 FROM issue WHERE id = $1 FOR UPDATE", &[&id])
         .await
