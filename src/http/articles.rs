@@ -54,23 +54,25 @@ pub async fn request_articles(
         // issues its claim took must still be generated.
         let (claimer, generator) = (state.claimer.clone(), state.generator.clone());
         let outcome = tokio::spawn(async move {
-            let outcome = claimer
+            let mut outcome = claimer
                 .claim(open, settings.lease(), ClaimScope::Claimable)
                 .await?;
-            generator.submit(outcome.claimed.clone());
-            Ok::<_, crate::db::DbError>(outcome)
+            let ids = outcome.claimed_ids();
+            generator.submit(std::mem::take(&mut outcome.claimed));
+            Ok::<_, crate::db::DbError>((ids, outcome))
         })
         .await
         .map_err(|e| ApiError::Internal(format!("the claim task failed: {e}")))??;
+        let (ids, outcome) = outcome;
         for &id in &outcome.done {
             state.done.insert(id);
         }
-        (outcome.claimed, [outcome.skipped, done].concat())
+        (ids, [outcome.skipped, done].concat())
     };
     skipped.sort_unstable();
     skipped.dedup();
     let body = serde_json::json!({
-        "claimed": claimed.iter().map(|c| c.id).collect::<Vec<_>>(),
+        "claimed": claimed,
         "skipped": skipped,
     });
     if claimed.is_empty() {
