@@ -4,7 +4,9 @@
 use serde::Serialize;
 use time::OffsetDateTime;
 
-use crate::db::{self, DbError, DbPool};
+use deadpool_postgres::GenericClient;
+
+use crate::db::{self, DbError};
 use crate::input::{self, InvalidInput};
 use crate::status::Status;
 
@@ -27,8 +29,12 @@ pub struct Assembled {
 }
 
 /// Builds and stores the briefing for `issue_ids`, in that order
-/// (duplicates dropped).
-pub async fn assemble(pool: &DbPool, issue_ids: &[i64]) -> Result<Assembled, AssembleError> {
+/// (duplicates dropped), through `client` (a transaction, when the briefing
+/// must be published together with other writes).
+pub async fn assemble(
+    client: &impl GenericClient,
+    issue_ids: &[i64],
+) -> Result<Assembled, AssembleError> {
     input::check_ids("issue_ids", issue_ids)?;
     let mut ordered: Vec<i64> = Vec::with_capacity(issue_ids.len());
     for &id in issue_ids {
@@ -36,8 +42,7 @@ pub async fn assemble(pool: &DbPool, issue_ids: &[i64]) -> Result<Assembled, Ass
             ordered.push(id);
         }
     }
-    let client = pool.get().await.map_err(DbError::from)?;
-    let sources = db::briefing::sources(&client, &ordered).await?;
+    let sources = db::briefing::sources(client, &ordered).await?;
     let mut articles = Vec::with_capacity(ordered.len());
     let mut not_done = Vec::new();
     for id in &ordered {
@@ -71,7 +76,7 @@ pub async fn assemble(pool: &DbPool, issue_ids: &[i64]) -> Result<Assembled, Ass
         ));
     }
     let briefing_id =
-        db::briefing::insert(&client, &title, today, &ordered, body.trim_end()).await?;
+        db::briefing::insert(client, &title, today, &ordered, body.trim_end()).await?;
     Ok(Assembled {
         briefing_id,
         issue_ids: ordered,

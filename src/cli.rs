@@ -551,6 +551,10 @@ async fn run_pipeline(url: &str) -> Result<ExitCode, CliError> {
             eprintln!("newsnack: another pipeline run holds the lock (see `newsnack locks`)");
             Ok(ExitCode::from(EXIT_BUSY))
         }
+        Err(e @ crate::pipeline::PipelineError::TakenOver) => {
+            eprintln!("newsnack: {e}");
+            Ok(ExitCode::FAILURE)
+        }
         Err(crate::pipeline::PipelineError::Db(e)) => Err(e.into()),
     }
 }

@@ -9,7 +9,7 @@
 //!
 //! Exactly one run at a time, cluster-wide: a run holds the `pipeline`
 //! advisory lock on a connection of its own for its whole length, released
-//! on every exit path. The scheduler in each `serve` instance wakes at every
+//! on every exit path, and stops at once if that session ends. The scheduler in each `serve` instance wakes at every
 //! tick of the `schedule` setting and tries the lock; the one that gets it
 //! runs, the others skip, and `pipeline_run`'s one-run-per-tick index makes
 //! a late instance skip a tick that already ran.
@@ -55,6 +55,8 @@ pub struct RunSummary {
 pub enum PipelineError {
     #[error("another pipeline run holds the lock (see `newsnack locks`)")]
     Busy,
+    #[error("the pipeline lock was lost and another instance took over the run")]
+    TakenOver,
     #[error(transparent)]
     Db(#[from] DbError),
 }
@@ -74,6 +76,13 @@ pub struct Pipeline {
 impl Pipeline {
     /// Runs once under the pipeline lock. `Ok(None)` when this tick already
     /// ran elsewhere; `Err(Busy)` when another run holds the lock.
+    ///
+    /// Should the lock's session end mid-run, the lock is another
+    /// instance's to take: the run stops at once and is recorded as an
+    /// `error` without a briefing. Its last step, publishing the briefing
+    /// and recording the outcome in one transaction, happens only while
+    /// the run is still `running`, so a run that another instance has
+    /// meanwhile marked `abandoned` publishes nothing.
     pub async fn run_locked(
         &self,
         trigger: Trigger,
@@ -85,9 +94,19 @@ impl Pipeline {
             return Err(PipelineError::Busy);
         };
         let _held = crate::metrics::advisory_lock_held(advisory::name_of(lock.key()));
+        let lost = lock.lost();
+        let stop = cancel.child_token();
+        let relay = tokio::spawn({
+            let (lost, stop) = (lost.clone(), stop.clone());
+            async move {
+                lost.cancelled().await;
+                stop.cancel();
+            }
+        });
         // The lock is held for the whole run; if this task is cancelled or
         // panics, dropping it closes its session and so releases it.
-        let result = self.run(trigger, cancel).await;
+        let result = self.run(trigger, &stop, &lost).await;
+        relay.abort();
         lock.release().await;
         result
     }
@@ -95,7 +114,8 @@ impl Pipeline {
     async fn run(
         &self,
         trigger: Trigger,
-        cancel: &CancellationToken,
+        stop: &CancellationToken,
+        lock_lost: &CancellationToken,
     ) -> Result<Option<RunSummary>, PipelineError> {
         let settings = self.settings.get().await?;
         let client = self.pool.get().await.map_err(DbError::from)?;
@@ -115,14 +135,14 @@ impl Pipeline {
         };
         drop(client);
         let mut record = RunRecord::default();
-        match self.carry_out(run_id, &settings, cancel, &mut record).await {
-            Ok(()) => self.finish(run_id, record).await,
+        match self.carry_out(run_id, &settings, stop, &mut record).await {
+            Ok(publish) => self.finish(run_id, record, publish, lock_lost).await,
             Err(e) => {
                 // A run that started is always finished, so it never stays
                 // `running` until another instance calls it abandoned.
                 record.outcome = "error".into();
                 record.error = Some(e.to_string());
-                if let Err(unrecorded) = self.finish(run_id, record).await {
+                if let Err(unrecorded) = self.finish(run_id, record, false, lock_lost).await {
                     tracing::warn!(run_id, error = %unrecorded, "could not record the failed run");
                 }
                 Err(e)
@@ -130,14 +150,15 @@ impl Pipeline {
         }
     }
 
-    /// Selects, claims, waits and assembles, filling in `record`.
+    /// Selects, claims and waits, filling in `record`; true when a briefing
+    /// of `record.completed` is to be published.
     async fn carry_out(
         &self,
         run_id: i64,
         settings: &Settings,
-        cancel: &CancellationToken,
+        stop: &CancellationToken,
         record: &mut RunRecord,
-    ) -> Result<(), PipelineError> {
+    ) -> Result<bool, PipelineError> {
         let client = self.pool.get().await.map_err(DbError::from)?;
         let targets =
             pipeline_run::select_targets(&client, settings.top_k, settings.lookback_hours).await?;
@@ -147,7 +168,7 @@ impl Pipeline {
         if targets.is_empty() {
             record.outcome = WaitOutcome::Skip.as_str().into();
             record.error = Some("no candidate issues".into());
-            return Ok(());
+            return Ok(false);
         }
 
         let claimed = self
@@ -163,7 +184,7 @@ impl Pipeline {
             min_completion: settings.content_gen_min_completion.max(0) as usize,
             max_attempts: settings.max_attempts as i32,
         };
-        let report = match wait::smart_wait(&self.hub, request, cancel).await {
+        let report = match wait::smart_wait(&self.hub, request, stop).await {
             Ok(report) => report,
             Err(e) => {
                 record.outcome = if matches!(e, WaitError::ShuttingDown) {
@@ -173,7 +194,7 @@ impl Pipeline {
                 }
                 .into();
                 record.error = Some(e.to_string());
-                return Ok(());
+                return Ok(false);
             }
         };
         record.outcome = report.outcome.as_str().into();
@@ -187,33 +208,56 @@ impl Pipeline {
             .filter(|id| report.completed.contains(id))
             .collect();
         if report.outcome == WaitOutcome::Skip {
-            return Ok(());
+            return Ok(false);
         }
         if record.completed.is_empty() {
             // Possible when the minimum is set to 0: the run passes with
             // nothing to put in a briefing.
             record.error = Some("no article completed: no briefing".into());
-            return Ok(());
+            return Ok(false);
         }
-        match briefing::assemble(&self.pool, &record.completed).await {
-            Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
-            Err(AssembleError::Db(e)) => return Err(e.into()),
-            Err(e) => {
-                record.outcome = "error".into();
-                record.error = Some(e.to_string());
-            }
-        }
-        Ok(())
+        Ok(true)
     }
 
+    /// Publishes the briefing (when `publish`) and records the outcome, in
+    /// one transaction that commits only if the run is still `running`.
     async fn finish(
         &self,
         run_id: i64,
-        record: RunRecord,
+        mut record: RunRecord,
+        publish: bool,
+        lock_lost: &CancellationToken,
     ) -> Result<Option<RunSummary>, PipelineError> {
-        let client = self.pool.get().await.map_err(DbError::from)?;
-        pipeline_run::finish(&client, run_id, &record).await?;
-        tracing::info!(run_id, outcome = %record.outcome, completed = ?record.completed, briefing = ?record.briefing_id, "pipeline run finished");
+        if lock_lost.is_cancelled() {
+            record.outcome = "error".into();
+            record.error = Some(LOCK_LOST.into());
+            record.briefing_id = None;
+        }
+        let mut client = self.pool.get().await.map_err(DbError::from)?;
+        let transaction = client.transaction().await.map_err(DbError::from)?;
+        if publish && !lock_lost.is_cancelled() {
+            match briefing::assemble(&transaction, &record.completed).await {
+                Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
+                Err(AssembleError::Db(e)) => return Err(e.into()),
+                Err(e) => {
+                    record.outcome = "error".into();
+                    record.error = Some(e.to_string());
+                }
+            }
+        }
+        if !pipeline_run::finish(&transaction, run_id, &record).await? {
+            tracing::warn!(run_id, "another instance took over this run after its pipeline lock was lost; nothing published");
+            return Err(PipelineError::TakenOver);
+        }
+        transaction.commit().await.map_err(DbError::from)?;
+        match &record.error {
+            Some(error) if record.outcome == "error" => {
+                tracing::warn!(run_id, %error, "pipeline run failed")
+            }
+            _ => {
+                tracing::info!(run_id, outcome = %record.outcome, completed = ?record.completed, briefing = ?record.briefing_id, "pipeline run finished")
+            }
+        }
         Ok(Some(RunSummary {
             run_id,
             outcome: record.outcome,
@@ -223,6 +267,10 @@ impl Pipeline {
         }))
     }
 }
+
+/// The error recorded for a run whose pipeline lock was lost.
+const LOCK_LOST: &str = "the pipeline lock's database session ended mid-run; \
+                         stopped without a briefing, so that another instance may run";
 
 /// How soon the scheduler reads its settings again after a failed read.
 const SETTINGS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);

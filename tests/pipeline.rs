@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
-use common::{until_sql, TestDb};
+use common::{until_sql, within, TestDb};
 use newsnack::writer::OfflineWriter;
 
 fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
@@ -354,4 +354,99 @@ async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
     let status = tokio::task::block_in_place(|| survivor.terminate());
     assert!(status.success());
     stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_loses_its_lock_stops_at_once_and_publishes_nothing() {
+    let db = TestDb::new().await;
+    let ids = scored_issues(&db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
+    // Generations never finish, and the wait would last ten minutes.
+    let fake = FakeLlm::start(|_, _| Reply::Hang).await;
+    let (hub, stop) = db.listener().await;
+    let mut run = Command::new(env!("CARGO_BIN_EXE_newsnack"));
+    run.arg("run-pipeline")
+        .env("DATABASE_URL", &db.url)
+        .env("NEWSNACK_LLM_URL", &fake.url)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = run.spawn().unwrap();
+    let in_list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    until_sql(
+        &db,
+        &hub,
+        30,
+        &format!("SELECT count(*) = 5 FROM issue WHERE id IN ({in_list}) AND processing_status = 'IN_PROGRESS'"),
+    )
+    .await;
+
+    // The lock's session ends (an operator's pg_terminate_backend, a
+    // failover, a broken connection): the lock is free for another run.
+    assert_eq!(
+        db.scalar_i64(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE application_name LIKE 'newsnack-lock:pipeline:%') t"
+        )
+        .await,
+        1
+    );
+    let out = within(
+        60,
+        "run-pipeline to stop after losing its lock",
+        tokio::task::spawn_blocking(move || child.wait_with_output()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], "error");
+    assert_eq!(summary["briefing_id"], serde_json::Value::Null);
+    let sql = db.raw().await;
+    let run = sql
+        .query_one(
+            "SELECT outcome, error, briefing_id, finished_at IS NOT NULL FROM pipeline_run",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(run.get::<_, String>(0), "error");
+    assert!(
+        run.get::<_, String>(1).contains("pipeline lock"),
+        "{:?}",
+        run.get::<_, String>(1)
+    );
+    assert_eq!(run.get::<_, Option<i64>>(2), None);
+    assert!(run.get::<_, bool>(3));
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_another_instance_took_over_cannot_record_its_outcome() {
+    use newsnack::db::pipeline_run::{self, RunRecord};
+    let db = TestDb::new().await;
+    let client = db.pool.get().await.unwrap();
+    let run_id = pipeline_run::start(&client, "manual", None, "alpha", &serde_json::json!({}))
+        .await
+        .unwrap()
+        .unwrap();
+    // Instance beta took the lock after alpha lost it, and so marked
+    // alpha's run abandoned.
+    assert_eq!(pipeline_run::abandon_stale(&client).await.unwrap(), 1);
+    let late = RunRecord {
+        outcome: "all_pass".into(),
+        ..RunRecord::default()
+    };
+    assert!(!pipeline_run::finish(&client, run_id, &late).await.unwrap());
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM pipeline_run WHERE outcome = 'abandoned'")
+            .await,
+        1
+    );
 }

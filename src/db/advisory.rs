@@ -30,6 +30,8 @@ pub fn name_of(key: i64) -> &'static str {
 pub struct AdvisoryLock {
     client: tokio_postgres::Client,
     key: i64,
+    /// Cancelled when the session, and so the lock, is gone.
+    session_ended: tokio_util::sync::CancellationToken,
 }
 
 impl AdvisoryLock {
@@ -41,16 +43,27 @@ impl AdvisoryLock {
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
         let mut config = config.clone();
         config.application_name(format!("newsnack-lock:{}:{holder}", name_of(key)));
-        let client = super::connect(&config).await?;
+        let (client, session_ended) = super::connect_watched(&config).await?;
         let taken: bool = client
             .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
             .await?
             .get(0);
-        Ok(taken.then_some(AdvisoryLock { client, key }))
+        Ok(taken.then_some(AdvisoryLock {
+            client,
+            key,
+            session_ended,
+        }))
     }
 
     pub fn key(&self) -> i64 {
         self.key
+    }
+
+    /// A token cancelled the moment the holding session ends: from then on
+    /// another session can take the lock. A server-side termination is seen
+    /// at once, a silently broken network within the TCP keepalive timeout.
+    pub fn lost(&self) -> tokio_util::sync::CancellationToken {
+        self.session_ended.clone()
     }
 
     /// True while the holding session is alive (and so still holds the lock).

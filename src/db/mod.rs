@@ -143,11 +143,22 @@ pub fn pool(mut config: tokio_postgres::Config, options: &PoolOptions) -> Result
 /// For sessions that must not go back to a pool: advisory-lock holders and
 /// one-shot commands.
 pub async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Client, DbError> {
+    Ok(connect_watched(config).await?.0)
+}
+
+/// [`connect`], with a token cancelled as soon as the session ends (closed
+/// by the server, e.g. `pg_terminate_backend`, or by a broken connection).
+pub async fn connect_watched(
+    config: &tokio_postgres::Config,
+) -> Result<(tokio_postgres::Client, tokio_util::sync::CancellationToken), DbError> {
     let (client, connection) = config.connect(NoTls).await?;
+    let ended = tokio_util::sync::CancellationToken::new();
+    let signal = ended.clone();
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "dedicated connection closed");
         }
+        signal.cancel();
     });
-    Ok(client)
+    Ok((client, ended))
 }

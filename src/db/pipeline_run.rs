@@ -72,17 +72,20 @@ pub async fn abandon_stale(client: &impl GenericClient) -> Result<u64, DbError> 
         .await?)
 }
 
-/// Records how a run ended.
+/// Records how a run ended, if it is still `running`; false when it is not
+/// (another instance, holding the pipeline lock after this one lost it,
+/// marked it `abandoned`). The update's row lock orders it with that
+/// instance's [`abandon_stale`]: exactly one of the two writes the outcome.
 pub async fn finish(
     client: &impl GenericClient,
     id: i64,
     record: &RunRecord,
-) -> Result<(), DbError> {
-    client
+) -> Result<bool, DbError> {
+    let updated = client
         .execute(
             "UPDATE pipeline_run SET finished_at = now(), outcome = $2, targets = $3, claimed = $4,
                     completed = $5, failed = $6, unfinished = $7, waited_ms = $8, briefing_id = $9, error = $10
-              WHERE id = $1",
+              WHERE id = $1 AND outcome = 'running'",
             &[
                 &id,
                 &record.outcome,
@@ -97,7 +100,7 @@ pub async fn finish(
             ],
         )
         .await?;
-    Ok(())
+    Ok(updated == 1)
 }
 
 /// The newest runs first.

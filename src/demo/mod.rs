@@ -152,6 +152,7 @@ pub async fn run() -> Result<(), DemoError> {
         Ok(None) | Err(PipelineError::Busy) => {
             return Err(DemoError::Pipeline("the pipeline lock was busy".into()))
         }
+        Err(e @ PipelineError::TakenOver) => return Err(DemoError::Pipeline(e.to_string())),
         Err(PipelineError::Db(e)) => return Err(e.into()),
     };
     say(

@@ -35,7 +35,8 @@ pub async fn assemble(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<AssembleBody>,
 ) -> Result<(StatusCode, Json<Assembled>), ApiError> {
-    match briefing::assemble(&state.pool, &body.issue_ids).await {
+    let client = state.pool.get().await.map_err(DbError::from)?;
+    match briefing::assemble(&client, &body.issue_ids).await {
         Ok(assembled) => Ok((StatusCode::CREATED, Json(assembled))),
         Err(AssembleError::NotDone(ids)) => Err(ApiError::Conflict(
             format!("these issues are not DONE: {ids:?}"),
