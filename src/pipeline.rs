@@ -9,14 +9,18 @@
 //!
 //! Exactly one run at a time, cluster-wide: a run holds the `pipeline`
 //! advisory lock on a connection of its own for its whole length, released
-//! on every exit path, and stops at once if that session ends. The scheduler in each `serve` instance wakes at every
-//! tick of the `schedule` setting and tries the lock; the one that gets it
-//! runs, the others skip, and `pipeline_run`'s one-run-per-tick index makes
-//! a late instance skip a tick that already ran.
+//! on every exit path; if that session ends, the run takes the lock again,
+//! or stops at once when another session took it ([`keep_lock`]). The
+//! scheduler in each `serve` instance wakes at every tick of the `schedule`
+//! setting and tries the lock; the one that gets it runs, the others skip,
+//! and `pipeline_run`'s one-run-per-tick index makes a late instance skip a
+//! tick that already ran.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use time::OffsetDateTime;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::briefing::{self, AssembleError};
@@ -77,12 +81,12 @@ impl Pipeline {
     /// Runs once under the pipeline lock. `Ok(None)` when this tick already
     /// ran elsewhere; `Err(Busy)` when another run holds the lock.
     ///
-    /// Should the lock's session end mid-run, the lock is another
-    /// instance's to take: the run stops at once and is recorded as an
-    /// `error` without a briefing. Its last step, publishing the briefing
-    /// and recording the outcome in one transaction, happens only while
-    /// the run is still `running`, so a run that another instance has
-    /// meanwhile marked `abandoned` publishes nothing.
+    /// The lock is kept for the whole run (see [`keep_lock`]): should its
+    /// session end and another instance take the lock, the run stops at
+    /// once and is recorded as an `error` without a briefing. Its last
+    /// step, publishing the briefing and recording the outcome in one
+    /// transaction, commits only while the server still sees the lock held
+    /// and the run still `running`.
     pub async fn run_locked(
         &self,
         trigger: Trigger,
@@ -94,20 +98,23 @@ impl Pipeline {
             return Err(PipelineError::Busy);
         };
         let _held = crate::metrics::advisory_lock_held(advisory::name_of(lock.key()));
-        let lost = lock.lost();
+        let (holder_tx, holder) = watch::channel(Some(lock.pid()));
         let stop = cancel.child_token();
-        let relay = tokio::spawn({
-            let (lost, stop) = (lost.clone(), stop.clone());
-            async move {
-                lost.cancelled().await;
-                stop.cancel();
-            }
-        });
-        // The lock is held for the whole run; if this task is cancelled or
-        // panics, dropping it closes its session and so releases it.
-        let result = self.run(trigger, &stop, &lost).await;
-        relay.abort();
-        lock.release().await;
+        let done = CancellationToken::new();
+        // The keeper owns the lock and releases it once `done`, which is
+        // cancelled on every exit, this future being dropped mid-run included.
+        let _finished = done.clone().drop_guard();
+        let keeper = tokio::spawn(keep_lock(
+            lock,
+            self.config.clone(),
+            self.instance.clone(),
+            holder_tx,
+            stop.clone(),
+            done.clone(),
+        ));
+        let result = self.run(trigger, &stop, &holder).await;
+        done.cancel();
+        let _ = keeper.await;
         result
     }
 
@@ -115,7 +122,7 @@ impl Pipeline {
         &self,
         trigger: Trigger,
         stop: &CancellationToken,
-        lock_lost: &CancellationToken,
+        lock: &LockHolder,
     ) -> Result<Option<RunSummary>, PipelineError> {
         let settings = self.settings.get().await?;
         let client = self.pool.get().await.map_err(DbError::from)?;
@@ -136,13 +143,13 @@ impl Pipeline {
         drop(client);
         let mut record = RunRecord::default();
         match self.carry_out(run_id, &settings, stop, &mut record).await {
-            Ok(publish) => self.finish(run_id, record, publish, lock_lost).await,
+            Ok(publish) => self.finish(run_id, record, publish, lock).await,
             Err(e) => {
                 // A run that started is always finished, so it never stays
                 // `running` until another instance calls it abandoned.
                 record.outcome = "error".into();
                 record.error = Some(e.to_string());
-                if let Err(unrecorded) = self.finish(run_id, record, false, lock_lost).await {
+                if let Err(unrecorded) = self.finish(run_id, record, false, lock).await {
                     tracing::warn!(run_id, error = %unrecorded, "could not record the failed run");
                 }
                 Err(e)
@@ -219,37 +226,35 @@ impl Pipeline {
         Ok(true)
     }
 
-    /// Publishes the briefing (when `publish`) and records the outcome, in
-    /// one transaction that commits only if the run is still `running`.
+    /// Publishes the briefing (when `publish`) and records the outcome (see
+    /// [`Pipeline::record`]). A run cut short by the loss of its lock, or
+    /// that would publish after it, is recorded as an `error` instead.
     async fn finish(
         &self,
         run_id: i64,
         mut record: RunRecord,
         publish: bool,
-        lock_lost: &CancellationToken,
+        lock: &LockHolder,
     ) -> Result<Option<RunSummary>, PipelineError> {
-        if lock_lost.is_cancelled() {
-            record.outcome = "error".into();
-            record.error = Some(LOCK_LOST.into());
-            record.briefing_id = None;
+        let lost = lock.borrow().is_none();
+        if lost && (publish || record.outcome == "abandoned") {
+            record.lock_lost();
         }
-        let mut client = self.pool.get().await.map_err(DbError::from)?;
-        let transaction = client.transaction().await.map_err(DbError::from)?;
-        if publish && !lock_lost.is_cancelled() {
-            match briefing::assemble(&transaction, &record.completed).await {
-                Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
-                Err(AssembleError::Db(e)) => return Err(e.into()),
-                Err(e) => {
-                    record.outcome = "error".into();
-                    record.error = Some(e.to_string());
-                }
+        let publish = publish && !lost;
+        match self
+            .record(run_id, &mut record, publish.then_some(lock))
+            .await
+        {
+            Err(PipelineError::Db(e)) if publish => {
+                // Record the run as failed, without the briefing.
+                record.outcome = "error".into();
+                record.error = Some(e.to_string());
+                record.briefing_id = None;
+                self.record(run_id, &mut record, None).await?;
+                return Err(e.into());
             }
+            recorded => recorded?,
         }
-        if !pipeline_run::finish(&transaction, run_id, &record).await? {
-            tracing::warn!(run_id, "another instance took over this run after its pipeline lock was lost; nothing published");
-            return Err(PipelineError::TakenOver);
-        }
-        transaction.commit().await.map_err(DbError::from)?;
         match &record.error {
             Some(error) if record.outcome == "error" => {
                 tracing::warn!(run_id, %error, "pipeline run failed")
@@ -266,11 +271,137 @@ impl Pipeline {
             briefing_id: record.briefing_id,
         }))
     }
+
+    /// One transaction: the briefing of `record.completed` (when publishing
+    /// under `lock`) and the run's outcome, committed only if the run is
+    /// still `running`. The briefing goes in only if the server still sees
+    /// the lock held by its session, whether or not its loss was noticed
+    /// here yet; a later holder's `abandon_stale` then waits for this
+    /// transaction on the run's row, so the two runs never overlap in what
+    /// they publish.
+    async fn record(
+        &self,
+        run_id: i64,
+        record: &mut RunRecord,
+        publish_under: Option<&LockHolder>,
+    ) -> Result<(), PipelineError> {
+        let mut client = self.pool.get().await.map_err(DbError::from)?;
+        let transaction = client.transaction().await.map_err(DbError::from)?;
+        let mut publish = publish_under.is_some();
+        if let Some(lock) = publish_under {
+            let holder = *lock.borrow();
+            let held = match holder {
+                Some(pid) => advisory::held_by(&transaction, advisory::PIPELINE, pid).await?,
+                None => false,
+            };
+            if !held {
+                record.lock_lost();
+                publish = false;
+            }
+        }
+        if publish {
+            match briefing::assemble(&transaction, &record.completed).await {
+                Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
+                Err(AssembleError::Db(e)) => return Err(e.into()),
+                Err(e) => {
+                    record.outcome = "error".into();
+                    record.error = Some(e.to_string());
+                }
+            }
+        }
+        if !pipeline_run::finish(&transaction, run_id, record).await? {
+            tracing::warn!(run_id, "another instance took over this run after its pipeline lock was lost; nothing published");
+            return Err(PipelineError::TakenOver);
+        }
+        transaction.commit().await.map_err(DbError::from)?;
+        Ok(())
+    }
 }
 
 /// The error recorded for a run whose pipeline lock was lost.
-const LOCK_LOST: &str = "the pipeline lock's database session ended mid-run; \
-                         stopped without a briefing, so that another instance may run";
+const LOCK_LOST: &str = "the pipeline lock was lost mid-run (its database session ended and \
+                         another session took it); stopped without a briefing";
+
+impl RunRecord {
+    fn lock_lost(&mut self) {
+        self.outcome = "error".into();
+        self.error = Some(LOCK_LOST.into());
+        self.briefing_id = None;
+    }
+}
+
+/// The pipeline lock as a run sees it: the backend pid of the session
+/// holding it, or `None` once it is lost for good.
+type LockHolder = watch::Receiver<Option<i32>>;
+
+/// How often the lock's session is pinged, so that an idle-session timeout
+/// or a dead connection is found during a long wait.
+const LOCK_PING: Duration = Duration::from_secs(10);
+/// How many times, a second apart, a lost lock is taken again while the
+/// database cannot be reached (e.g. during a failover).
+const RETAKE_ATTEMPTS: u32 = 5;
+
+/// Holds the run's lock until `done`: pings its session, and if that
+/// session ends (an idle timeout, `pg_terminate_backend`, a failover),
+/// takes the lock again on a new one, so the run and its tick are not lost.
+/// If another session took the lock meanwhile, the lock is lost for good:
+/// `holder` says so and `stop` ends the run.
+async fn keep_lock(
+    mut lock: AdvisoryLock,
+    config: tokio_postgres::Config,
+    instance: String,
+    holder: watch::Sender<Option<i32>>,
+    stop: CancellationToken,
+    done: CancellationToken,
+) {
+    loop {
+        let session_ended = lock.lost();
+        tokio::select! {
+            _ = done.cancelled() => {
+                lock.release().await;
+                return;
+            }
+            _ = session_ended.cancelled() => {}
+            _ = tokio::time::sleep(LOCK_PING) => {
+                if lock.is_held().await {
+                    continue;
+                }
+            }
+        }
+        drop(lock);
+        match retake(&config, &instance).await {
+            Some(again) => {
+                tracing::warn!(
+                    pid = again.pid(),
+                    "the pipeline lock's session ended; took the lock again on a new session"
+                );
+                holder.send_replace(Some(again.pid()));
+                lock = again;
+            }
+            None => {
+                tracing::warn!("the pipeline lock's session ended and the lock could not be taken again; stopping the run");
+                holder.send_replace(None);
+                stop.cancel();
+                return;
+            }
+        }
+    }
+}
+
+/// Takes the pipeline lock on a new session; `None` when another session
+/// holds it or the database stays unreachable.
+async fn retake(config: &tokio_postgres::Config, instance: &str) -> Option<AdvisoryLock> {
+    for attempt in 1..=RETAKE_ATTEMPTS {
+        match AdvisoryLock::try_acquire(config, advisory::PIPELINE, instance).await {
+            Ok(taken) => return taken,
+            Err(e) => {
+                tracing::debug!(attempt, error = %e, "cannot take the pipeline lock again yet");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+    None
+}
 
 /// How soon the scheduler reads its settings again after a failed read.
 const SETTINGS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
@@ -305,7 +436,7 @@ impl PipelineScheduler {
             let Some(tick) = next else {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = changes.changed() => continue,
+                    Ok(()) = changes.changed() => continue,
                 }
             };
             let wait = (tick - OffsetDateTime::now_utc()).max(time::Duration::ZERO);
@@ -313,7 +444,7 @@ impl PipelineScheduler {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 // A new schedule may move the next tick.
-                _ = changes.changed() => continue,
+                Ok(()) = changes.changed() => continue,
                 _ = sleep => {}
             }
             match self

@@ -12,6 +12,9 @@ use croner::parser::{CronParser, Seconds};
 use croner::Cron;
 use time::OffsetDateTime;
 
+/// The longest `every` interval: a year (longer is a cron expression's job).
+const MAX_INTERVAL_SECONDS: u64 = 366 * 24 * 3600;
+
 /// A parsed `schedule` setting.
 #[derive(Debug, Clone)]
 pub enum Schedule {
@@ -42,16 +45,17 @@ impl FromStr for Schedule {
         }
         if let Some(rest) = value.strip_prefix("every ") {
             let rest = rest.trim();
-            let (number, unit) = rest.split_at(rest.len().saturating_sub(1));
+            let (number, unit_seconds) = [("s", 1), ("m", 60), ("h", 3600)]
+                .into_iter()
+                .find_map(|(unit, seconds)| Some((rest.strip_suffix(unit)?, seconds)))
+                .ok_or_else(|| invalid("the unit must be s, m or h"))?;
             let n: u64 = number
                 .parse()
                 .map_err(|_| invalid("the interval must be a whole number"))?;
-            let seconds = match unit {
-                "s" => n,
-                "m" => n * 60,
-                "h" => n * 3600,
-                _ => return Err(invalid("the unit must be s, m or h")),
-            };
+            let seconds = n
+                .checked_mul(unit_seconds)
+                .filter(|&s| s <= MAX_INTERVAL_SECONDS)
+                .ok_or_else(|| invalid("the interval must be at most 366 days"))?;
             if seconds == 0 {
                 return Err(invalid("the interval must be positive"));
             }
@@ -130,6 +134,13 @@ mod tests {
         );
         assert!("every 0s".parse::<Schedule>().is_err());
         assert!("every 5d".parse::<Schedule>().is_err());
+        // A multi-byte last character, and intervals that overflow or are
+        // absurdly long, are errors, not panics or wrapped values.
+        assert!("every 5é".parse::<Schedule>().is_err());
+        assert!("every é".parse::<Schedule>().is_err());
+        assert!("every 9999999999999999h".parse::<Schedule>().is_err());
+        assert!("every 8785h".parse::<Schedule>().is_err());
+        assert!("every 8784h".parse::<Schedule>().is_ok());
         assert!("61 * * * *".parse::<Schedule>().is_err());
         assert!("sometimes".parse::<Schedule>().is_err());
     }

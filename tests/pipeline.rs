@@ -1,7 +1,8 @@
 //! The daily pipeline: a run from selection to briefing, a skip that
 //! publishes nothing, assembly from exactly the given ids, settings changed
 //! by SQL taking effect on the next scheduled run, and two schedulers that
-//! run each tick exactly once, surviving the loss of one.
+//! run each tick exactly once, surviving the loss of one; a run that loses
+//! its lock, or was taken over, publishes nothing.
 
 mod common;
 
@@ -23,6 +24,19 @@ fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
         command.env("NEWSNACK_LLM_URL", url);
     }
     command.output().unwrap()
+}
+
+/// Asserts that `run-pipeline` ended with `outcome` and no briefing (exit 3).
+fn assert_no_briefing(out: &Output, outcome: &str) {
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], outcome);
+    assert_eq!(summary["briefing_id"], serde_json::Value::Null);
 }
 
 /// Adds issues titled by their score, hottest last.
@@ -108,15 +122,7 @@ async fn a_run_whose_articles_cannot_be_written_skips_and_publishes_nothing() {
     scored_issues(&db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
     let fake = FakeLlm::start(|_, _| Reply::BadRequest).await;
     let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], Some(&fake.url)));
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(summary["outcome"], "skip");
-    assert_eq!(summary["briefing_id"], serde_json::Value::Null);
+    assert_no_briefing(&out, "skip");
     assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
     assert_eq!(
         db.scalar_i64("SELECT count(*) FROM pipeline_run WHERE outcome = 'skip'")
@@ -356,59 +362,81 @@ async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
     stop.cancel();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_that_loses_its_lock_stops_at_once_and_publishes_nothing() {
-    let db = TestDb::new().await;
-    let ids = scored_issues(&db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
-    // Generations never finish, and the wait would last ten minutes.
-    let fake = FakeLlm::start(|_, _| Reply::Hang).await;
-    let (hub, stop) = db.listener().await;
-    let mut run = Command::new(env!("CARGO_BIN_EXE_newsnack"));
-    run.arg("run-pipeline")
+/// Starts `run-pipeline` over five fresh issues against `llm`, and returns
+/// it once all five are claimed (so the run holds its lock and waits).
+async fn run_pipeline_in_flight(
+    db: &TestDb,
+    hub: &newsnack::listener::TransitionHub,
+    llm: &str,
+) -> std::process::Child {
+    let ids = scored_issues(db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
+    let child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .arg("run-pipeline")
         .env("DATABASE_URL", &db.url)
-        .env("NEWSNACK_LLM_URL", &fake.url)
+        .env("NEWSNACK_LLM_URL", llm)
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let child = run.spawn().unwrap();
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     let in_list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
     until_sql(
-        &db,
-        &hub,
+        db,
+        hub,
         30,
         &format!("SELECT count(*) = 5 FROM issue WHERE id IN ({in_list}) AND processing_status = 'IN_PROGRESS'"),
     )
     .await;
+    child
+}
 
-    // The lock's session ends (an operator's pg_terminate_backend, a
-    // failover, a broken connection): the lock is free for another run.
-    assert_eq!(
-        db.scalar_i64(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-              WHERE application_name LIKE 'newsnack-lock:pipeline:%') t"
+/// Ends the session holding the pipeline lock (as `pg_terminate_backend`,
+/// a failover or a broken connection would). When `take_it`, `sql`'s
+/// session queues for the lock in the same statement, so it is granted the
+/// lock the moment the ended session lets go, before the run can take it
+/// again; otherwise waits until the session is gone.
+async fn end_the_lock_session(sql: &tokio_postgres::Client, take_it: bool) {
+    let holders = "SELECT pid FROM pg_stat_activity
+                    WHERE datname = current_database() AND application_name LIKE 'newsnack-lock:pipeline:%'";
+    let ended = if take_it {
+        format!(
+            "SELECT count(pg_advisory_lock(7236284560371893004)::text)
+               FROM (SELECT pg_terminate_backend(pid) AS ended FROM ({holders}) h OFFSET 0) t
+              WHERE ended"
         )
-        .await,
-        1
-    );
-    let out = within(
+    } else {
+        format!(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM ({holders}) h"
+        )
+    };
+    let ended: i64 = sql.query_one(&ended, &[]).await.unwrap().get(0);
+    assert_eq!(ended, 1, "the one session holding the pipeline lock ended");
+}
+
+async fn finished(child: std::process::Child) -> Output {
+    within(
         60,
-        "run-pipeline to stop after losing its lock",
+        "run-pipeline to finish",
         tokio::task::spawn_blocking(move || child.wait_with_output()),
     )
     .await
     .unwrap()
-    .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(summary["outcome"], "error");
-    assert_eq!(summary["briefing_id"], serde_json::Value::Null);
-    let sql = db.raw().await;
-    let run = sql
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_lock_another_session_took_stops_at_once_and_publishes_nothing() {
+    let db = TestDb::new().await;
+    // Generations never finish, and the wait would last ten minutes.
+    let fake = FakeLlm::start(|_, _| Reply::Hang).await;
+    let (hub, stop) = db.listener().await;
+    let child = run_pipeline_in_flight(&db, &hub, &fake.url).await;
+    let other = db.raw().await;
+    end_the_lock_session(&other, true).await;
+
+    let out = finished(child).await;
+    assert_no_briefing(&out, "error");
+    let run = other
         .query_one(
             "SELECT outcome, error, briefing_id, finished_at IS NOT NULL FROM pipeline_run",
             &[],
@@ -417,13 +445,44 @@ async fn a_run_that_loses_its_lock_stops_at_once_and_publishes_nothing() {
         .unwrap();
     assert_eq!(run.get::<_, String>(0), "error");
     assert!(
-        run.get::<_, String>(1).contains("pipeline lock"),
+        run.get::<_, String>(1).contains("pipeline lock was lost"),
         "{:?}",
         run.get::<_, String>(1)
     );
     assert_eq!(run.get::<_, Option<i64>>(2), None);
     assert!(run.get::<_, bool>(3));
     assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_lock_session_ends_takes_the_lock_again_and_publishes() {
+    let db = TestDb::new().await;
+    let fake = FakeLlm::start(|_, _| Reply::Slow {
+        delay: std::time::Duration::from_secs(4),
+        content: "A headline\n\nFirst paragraph.\n\nSecond paragraph.".into(),
+    })
+    .await;
+    let (hub, stop) = db.listener().await;
+    let child = run_pipeline_in_flight(&db, &hub, &fake.url).await;
+    let other = db.raw().await;
+    end_the_lock_session(&other, false).await;
+
+    let out = finished(child).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], "all_pass");
+    assert!(summary["briefing_id"].is_i64(), "{summary}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("took the lock again"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 1);
     stop.cancel();
 }
 

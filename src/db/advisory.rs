@@ -22,6 +22,9 @@ pub fn name_of(key: i64) -> &'static str {
     }
 }
 
+/// How long an explicit unlock may take before the session is just closed.
+const RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A session-level advisory lock held on a connection of its own, never a
 /// pooled one: the lock lives exactly as long as this value. Dropping it
 /// (on any exit path, a panic or a cancelled task included) closes the
@@ -30,6 +33,8 @@ pub fn name_of(key: i64) -> &'static str {
 pub struct AdvisoryLock {
     client: tokio_postgres::Client,
     key: i64,
+    /// The holding session's backend pid.
+    pid: i32,
     /// Cancelled when the session, and so the lock, is gone.
     session_ended: tokio_util::sync::CancellationToken,
 }
@@ -44,19 +49,24 @@ impl AdvisoryLock {
         let mut config = config.clone();
         config.application_name(format!("newsnack-lock:{}:{holder}", name_of(key)));
         let (client, session_ended) = super::connect_watched(&config).await?;
-        let taken: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
-            .await?
-            .get(0);
-        Ok(taken.then_some(AdvisoryLock {
+        let row = client
+            .query_one("SELECT pg_try_advisory_lock($1), pg_backend_pid()", &[&key])
+            .await?;
+        Ok(row.get::<_, bool>(0).then(|| AdvisoryLock {
             client,
             key,
+            pid: row.get(1),
             session_ended,
         }))
     }
 
     pub fn key(&self) -> i64 {
         self.key
+    }
+
+    /// The holding session's backend pid (see [`held_by`]).
+    pub fn pid(&self) -> i32 {
+        self.pid
     }
 
     /// A token cancelled the moment the holding session ends: from then on
@@ -76,12 +86,19 @@ impl AdvisoryLock {
         &self.client
     }
 
-    /// Releases the lock explicitly and closes the session.
+    /// Releases the lock explicitly and closes the session. Bounded: on a
+    /// session that stopped answering, closing it is what releases the lock.
     pub async fn release(self) {
-        let _ = self
-            .client
-            .execute("SELECT pg_advisory_unlock($1)", &[&self.key])
-            .await;
+        if self.session_ended.is_cancelled() {
+            return;
+        }
+        let unlock = async {
+            let _ = self
+                .client
+                .execute("SELECT pg_advisory_unlock($1)", &[&self.key])
+                .await;
+        };
+        let _ = tokio::time::timeout(RELEASE_TIMEOUT, unlock).await;
     }
 }
 
@@ -97,6 +114,26 @@ pub struct HeldLock {
     #[serde(with = "time::serde::rfc3339::option")]
     pub since: Option<time::OffsetDateTime>,
     pub granted: bool,
+}
+
+/// Whether the session with backend `pid` holds `key` (as seen from any
+/// session: the answer of the server, which alone decides who holds it).
+pub async fn held_by(
+    client: &impl deadpool_postgres::GenericClient,
+    key: i64,
+    pid: i32,
+) -> Result<bool, super::DbError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (
+                 SELECT 1 FROM pg_locks
+                  WHERE locktype = 'advisory' AND granted AND pid = $2 AND objsubid = 1
+                    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND ((classid::bigint << 32) | objid::bigint) = $1)",
+            &[&key, &pid],
+        )
+        .await?;
+    Ok(row.get(0))
 }
 
 /// Every advisory lock in the current database, with its holder.

@@ -65,7 +65,7 @@ pub async fn abandon_stale(client: &impl GenericClient) -> Result<u64, DbError> 
     Ok(client
         .execute(
             "UPDATE pipeline_run SET outcome = 'abandoned', finished_at = now(),
-                    error = 'its instance stopped before the run finished'
+                    error = 'its instance stopped, or could not record the outcome, before the run finished'
               WHERE outcome = 'running'",
             &[],
         )
