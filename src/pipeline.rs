@@ -236,11 +236,12 @@ impl Pipeline {
         publish: bool,
         lock: &LockHolder,
     ) -> Result<Option<RunSummary>, PipelineError> {
-        let lost = lock.borrow().is_none();
-        if lost && (publish || record.outcome == "abandoned") {
+        let wanted = publish;
+        let publish = wanted && self.still_holds(lock).await?;
+        let cut_short = lock.borrow().is_none() && record.outcome == "abandoned";
+        if (wanted && !publish) || cut_short {
             record.lock_lost();
         }
-        let publish = publish && !lost;
         match self
             .record(run_id, &mut record, publish.then_some(lock))
             .await
@@ -270,6 +271,28 @@ impl Pipeline {
             completed: record.completed,
             briefing_id: record.briefing_id,
         }))
+    }
+
+    /// Whether the run still holds its lock, as the server sees it. When the
+    /// server no longer sees the lock's session holding it, waits (bounded)
+    /// for the keeper's verdict: the lock taken again, or lost for good.
+    async fn still_holds(&self, lock: &LockHolder) -> Result<bool, PipelineError> {
+        let mut lock = lock.clone();
+        let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
+        loop {
+            let Some(pid) = *lock.borrow_and_update() else {
+                return Ok(false);
+            };
+            let client = self.pool.get().await.map_err(DbError::from)?;
+            if advisory::held_by(&client, advisory::PIPELINE, pid).await? {
+                return Ok(true);
+            }
+            drop(client);
+            match tokio::time::timeout_at(deadline, lock.changed()).await {
+                Ok(Ok(())) => continue,
+                _ => return Ok(false),
+            }
+        }
     }
 
     /// One transaction: the briefing of `record.completed` (when publishing
@@ -335,11 +358,19 @@ impl RunRecord {
 type LockHolder = watch::Receiver<Option<i32>>;
 
 /// How often the lock's session is pinged, so that an idle-session timeout
-/// or a dead connection is found during a long wait.
+/// or a dead connection is found during a long wait, and how long a ping
+/// may take before the session counts as gone.
 const LOCK_PING: Duration = Duration::from_secs(10);
+const LOCK_PING_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long taking the lock again waits for its holder: the ended session
+/// may still be letting go of it. Held longer than this, it is another's.
+const RETAKE_WAIT: Duration = Duration::from_secs(2);
 /// How many times, a second apart, a lost lock is taken again while the
 /// database cannot be reached (e.g. during a failover).
 const RETAKE_ATTEMPTS: u32 = 5;
+/// How long the last step waits for the keeper's verdict on a lock whose
+/// session the server no longer sees (taken again, or lost for good).
+const VERDICT_WAIT: Duration = Duration::from_secs(20);
 
 /// Holds the run's lock until `done`: pings its session, and if that
 /// session ends (an idle timeout, `pg_terminate_backend`, a failover),
@@ -356,20 +387,33 @@ async fn keep_lock(
 ) {
     loop {
         let session_ended = lock.lost();
-        tokio::select! {
+        let alive = tokio::select! {
             _ = done.cancelled() => {
                 lock.release().await;
                 return;
             }
-            _ = session_ended.cancelled() => {}
-            _ = tokio::time::sleep(LOCK_PING) => {
-                if lock.is_held().await {
-                    continue;
+            _ = session_ended.cancelled() => false,
+            _ = tokio::time::sleep(LOCK_PING) => true,
+        };
+        let alive = alive
+            && {
+                tokio::select! {
+                    _ = done.cancelled() => {
+                        lock.release().await;
+                        return;
+                    }
+                    pinged = tokio::time::timeout(LOCK_PING_TIMEOUT, lock.is_held()) => pinged == Ok(true),
                 }
-            }
+            };
+        if alive {
+            continue;
         }
         drop(lock);
-        match retake(&config, &instance).await {
+        let retaken = tokio::select! {
+            _ = done.cancelled() => return,
+            retaken = retake(&config, &instance) => retaken,
+        };
+        match retaken {
             Some(again) => {
                 tracing::warn!(
                     pid = again.pid(),
@@ -379,7 +423,7 @@ async fn keep_lock(
                 lock = again;
             }
             None => {
-                tracing::warn!("the pipeline lock's session ended and the lock could not be taken again; stopping the run");
+                tracing::warn!("the pipeline lock's session ended and another session holds the lock; stopping the run");
                 holder.send_replace(None);
                 stop.cancel();
                 return;
@@ -392,7 +436,8 @@ async fn keep_lock(
 /// holds it or the database stays unreachable.
 async fn retake(config: &tokio_postgres::Config, instance: &str) -> Option<AdvisoryLock> {
     for attempt in 1..=RETAKE_ATTEMPTS {
-        match AdvisoryLock::try_acquire(config, advisory::PIPELINE, instance).await {
+        match AdvisoryLock::acquire_within(config, advisory::PIPELINE, instance, RETAKE_WAIT).await
+        {
             Ok(taken) => return taken,
             Err(e) => {
                 tracing::debug!(attempt, error = %e, "cannot take the pipeline lock again yet");

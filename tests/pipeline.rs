@@ -459,7 +459,7 @@ async fn a_run_whose_lock_another_session_took_stops_at_once_and_publishes_nothi
 async fn a_run_whose_lock_session_ends_takes_the_lock_again_and_publishes() {
     let db = TestDb::new().await;
     let fake = FakeLlm::start(|_, _| Reply::Slow {
-        delay: std::time::Duration::from_secs(4),
+        delay: std::time::Duration::from_secs(6),
         content: "A headline\n\nFirst paragraph.\n\nSecond paragraph.".into(),
     })
     .await;
@@ -508,4 +508,60 @@ async fn a_run_another_instance_took_over_cannot_record_its_outcome() {
             .await,
         1
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_alone_says_which_session_holds_the_pipeline_lock() {
+    use newsnack::db::advisory::{self, AdvisoryLock};
+    let db = TestDb::new().await;
+    let first = AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "first")
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    let client = db.pool.get().await.unwrap();
+    assert!(advisory::held_by(&client, advisory::PIPELINE, first.pid())
+        .await
+        .unwrap());
+    assert!(
+        AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "second")
+            .await
+            .unwrap()
+            .is_none(),
+        "held, so not taken"
+    );
+    // Once the server has ended the holder's session, it holds nothing,
+    // whether or not its own side has noticed yet; the lock is free.
+    let ended: bool = db
+        .raw()
+        .await
+        .query_one("SELECT pg_terminate_backend($1, 10000)", &[&first.pid()])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(ended);
+    assert!(!advisory::held_by(&client, advisory::PIPELINE, first.pid())
+        .await
+        .unwrap());
+    let second = AdvisoryLock::acquire_within(
+        &db.config,
+        advisory::PIPELINE,
+        "second",
+        std::time::Duration::from_secs(2),
+    )
+    .await
+    .unwrap()
+    .expect("free once its holder is gone");
+    assert!(advisory::held_by(&client, advisory::PIPELINE, second.pid())
+        .await
+        .unwrap());
+    // Held by another, waiting gives up after its bound.
+    assert!(AdvisoryLock::acquire_within(
+        &db.config,
+        advisory::PIPELINE,
+        "third",
+        std::time::Duration::from_millis(200),
+    )
+    .await
+    .unwrap()
+    .is_none());
 }

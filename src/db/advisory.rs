@@ -46,16 +46,65 @@ impl AdvisoryLock {
         key: i64,
         holder: &str,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
+        Self::acquire(config, key, holder, None).await
+    }
+
+    /// Takes `key`, waiting up to `wait` for its holder to let go (e.g. a
+    /// session of this process that is still ending); `Ok(None)` when it is
+    /// still held then.
+    pub async fn acquire_within(
+        config: &tokio_postgres::Config,
+        key: i64,
+        holder: &str,
+        wait: std::time::Duration,
+    ) -> Result<Option<AdvisoryLock>, super::DbError> {
+        Self::acquire(config, key, holder, Some(wait)).await
+    }
+
+    async fn acquire(
+        config: &tokio_postgres::Config,
+        key: i64,
+        holder: &str,
+        wait: Option<std::time::Duration>,
+    ) -> Result<Option<AdvisoryLock>, super::DbError> {
         let mut config = config.clone();
         config.application_name(format!("newsnack-lock:{}:{holder}", name_of(key)));
         let (client, session_ended) = super::connect_watched(&config).await?;
-        let row = client
-            .query_one("SELECT pg_try_advisory_lock($1), pg_backend_pid()", &[&key])
-            .await?;
-        Ok(row.get::<_, bool>(0).then(|| AdvisoryLock {
+        let taken = match wait {
+            None => {
+                client
+                    .query_one("SELECT pg_try_advisory_lock($1), pg_backend_pid()", &[&key])
+                    .await?
+            }
+            Some(wait) => {
+                client
+                    .batch_execute(&format!("SET lock_timeout = {}", wait.as_millis().max(1)))
+                    .await?;
+                let waited = client
+                    .query_one(
+                        "SELECT true, pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l",
+                        &[&key],
+                    )
+                    .await;
+                match waited {
+                    Err(e)
+                        if e.code()
+                            == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+                    {
+                        return Ok(None)
+                    }
+                    waited => {
+                        let row = waited?;
+                        client.batch_execute("RESET lock_timeout").await?;
+                        row
+                    }
+                }
+            }
+        };
+        Ok(taken.get::<_, bool>(0).then(|| AdvisoryLock {
             client,
             key,
-            pid: row.get(1),
+            pid: taken.get(1),
             session_ended,
         }))
     }
