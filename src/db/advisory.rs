@@ -22,6 +22,8 @@ pub fn name_of(key: i64) -> &'static str {
     }
 }
 
+/// How long a lock session may take to answer a ping.
+const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long an explicit unlock may take before the session is just closed.
 const RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -126,8 +128,15 @@ impl AdvisoryLock {
     }
 
     /// True while the holding session is alive (and so still holds the lock).
+    /// A session that does not answer within [`PING_TIMEOUT`] counts as
+    /// gone (a silently broken network would otherwise hold this for the
+    /// kernel's retransmission timeout, many minutes).
     pub async fn is_held(&self) -> bool {
-        !self.client.is_closed() && self.client.simple_query("SELECT 1").await.is_ok()
+        !self.client.is_closed()
+            && matches!(
+                tokio::time::timeout(PING_TIMEOUT, self.client.simple_query("SELECT 1")).await,
+                Ok(Ok(_))
+            )
     }
 
     /// The holding session, for work that must happen under the lock.
