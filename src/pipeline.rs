@@ -343,7 +343,8 @@ impl Pipeline {
 
 /// The error recorded for a run whose pipeline lock was lost.
 const LOCK_LOST: &str = "the pipeline lock was lost mid-run (its database session ended and \
-                         another session took it); stopped without a briefing";
+                         it could not be taken again: another session held it, or the \
+                         database stayed unreachable); stopped without a briefing";
 
 impl RunRecord {
     fn lock_lost(&mut self) {
@@ -373,8 +374,9 @@ const VERDICT_WAIT: Duration = Duration::from_secs(20);
 /// Holds the run's lock until `done`: pings its session, and if that
 /// session ends (an idle timeout, `pg_terminate_backend`, a failover),
 /// takes the lock again on a new one, so the run and its tick are not lost.
-/// If another session took the lock meanwhile, the lock is lost for good:
-/// `holder` says so and `stop` ends the run.
+/// If another session took the lock meanwhile, or the database stays
+/// unreachable, the lock is lost for good: `holder` says so and `stop` ends
+/// the run.
 async fn keep_lock(
     mut lock: AdvisoryLock,
     config: tokio_postgres::Config,
@@ -420,7 +422,7 @@ async fn keep_lock(
                 lock = again;
             }
             None => {
-                tracing::warn!("the pipeline lock's session ended and another session holds the lock; stopping the run");
+                tracing::warn!("the pipeline lock's session ended and the lock could not be taken again; stopping the run");
                 holder.send_replace(None);
                 stop.cancel();
                 return;
