@@ -236,10 +236,7 @@ impl Pipeline {
         publish: bool,
         lock: &LockHolder,
     ) -> Result<Option<RunSummary>, PipelineError> {
-        let wanted = publish;
-        let publish = wanted && self.still_holds(lock).await?;
-        let cut_short = lock.borrow().is_none() && record.outcome == "abandoned";
-        if (wanted && !publish) || cut_short {
+        if lock.borrow().is_none() && record.outcome == "abandoned" {
             record.lock_lost();
         }
         match self
@@ -273,33 +270,11 @@ impl Pipeline {
         }))
     }
 
-    /// Whether the run still holds its lock, as the server sees it. When the
-    /// server no longer sees the lock's session holding it, waits (bounded)
-    /// for the keeper's verdict: the lock taken again, or lost for good.
-    async fn still_holds(&self, lock: &LockHolder) -> Result<bool, PipelineError> {
-        let mut lock = lock.clone();
-        let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
-        loop {
-            let Some(pid) = *lock.borrow_and_update() else {
-                return Ok(false);
-            };
-            let client = self.pool.get().await.map_err(DbError::from)?;
-            if advisory::held_by(&client, advisory::PIPELINE, pid).await? {
-                return Ok(true);
-            }
-            drop(client);
-            match tokio::time::timeout_at(deadline, lock.changed()).await {
-                Ok(Ok(())) => continue,
-                _ => return Ok(false),
-            }
-        }
-    }
-
     /// One transaction: the briefing of `record.completed` (when publishing
     /// under `lock`) and the run's outcome, committed only if the run is
     /// still `running`. The briefing goes in only if the server still sees
-    /// the lock held by its session, whether or not its loss was noticed
-    /// here yet; a later holder's `abandon_stale` then waits for this
+    /// the lock held by its session ([`still_holds`]), whether or not its
+    /// loss was noticed here yet; a later holder's `abandon_stale` then waits for this
     /// transaction on the run's row, so the two runs never overlap in what
     /// they publish.
     async fn record(
@@ -312,12 +287,7 @@ impl Pipeline {
         let transaction = client.transaction().await.map_err(DbError::from)?;
         let mut publish = publish_under.is_some();
         if let Some(lock) = publish_under {
-            let holder = *lock.borrow();
-            let held = match holder {
-                Some(pid) => advisory::held_by(&transaction, advisory::PIPELINE, pid).await?,
-                None => false,
-            };
-            if !held {
+            if !still_holds(&transaction, lock).await? {
                 record.lock_lost();
                 publish = false;
             }
@@ -351,6 +321,29 @@ impl RunRecord {
         self.outcome = "error".into();
         self.error = Some(LOCK_LOST.into());
         self.briefing_id = None;
+    }
+}
+
+/// Whether the run still holds its lock, as the server sees it. When the
+/// server no longer sees the lock's session holding it, waits (bounded) for
+/// the keeper's verdict: the lock taken again, or lost for good.
+async fn still_holds(
+    client: &impl deadpool_postgres::GenericClient,
+    lock: &LockHolder,
+) -> Result<bool, DbError> {
+    let mut lock = lock.clone();
+    let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
+    loop {
+        let Some(pid) = *lock.borrow_and_update() else {
+            return Ok(false);
+        };
+        if advisory::held_by(client, advisory::PIPELINE, pid).await? {
+            return Ok(true);
+        }
+        match tokio::time::timeout_at(deadline, lock.changed()).await {
+            Ok(Ok(())) => continue,
+            _ => return Ok(false),
+        }
     }
 }
 

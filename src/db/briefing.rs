@@ -45,12 +45,9 @@ pub async fn sources(
         .await?;
     rows.iter()
         .map(|r| {
-            let status: String = r.get(1);
             Ok(BriefingSource {
                 issue_id: r.get(0),
-                status: status
-                    .parse()
-                    .map_err(|e| DbError::Invalid(format!("{e}")))?,
+                status: super::parse_status(r.get(1))?,
                 title: r.get(2),
                 score: r.get(3),
                 headline: r.get(4),

@@ -85,10 +85,6 @@ pub struct Snapshot {
     pub now: OffsetDateTime,
 }
 
-fn status(text: String) -> Result<Status, DbError> {
-    text.parse().map_err(|e| DbError::Invalid(format!("{e}")))
-}
-
 /// Reads the snapshot in one read-only `REPEATABLE READ` transaction.
 pub async fn snapshot(
     client: &mut deadpool_postgres::Client,
@@ -153,8 +149,11 @@ pub async fn snapshot(
                 seq: r.get(0),
                 issue_id: r.get(1),
                 title: r.get(2),
-                from: r.get::<_, Option<String>>(3).map(status).transpose()?,
-                to: status(r.get(4))?,
+                from: r
+                    .get::<_, Option<&str>>(3)
+                    .map(super::parse_status)
+                    .transpose()?,
+                to: super::parse_status(r.get(4))?,
                 at: r.get(5),
                 attempts: r.get(6),
                 fatal: r.get(7),

@@ -125,16 +125,13 @@ const VIEW_COLUMNS: &str = "id, title, body, score, collected_at, processing_sta
                             last_error, updated_at, claimed_by, lease_until";
 
 fn view_from_row(row: &tokio_postgres::Row) -> Result<IssueView, DbError> {
-    let status: String = row.get(5);
     Ok(IssueView {
         id: row.get(0),
         title: row.get(1),
         body: row.get(2),
         score: row.get(3),
         collected_at: row.get(4),
-        status: status
-            .parse()
-            .map_err(|e| DbError::Invalid(format!("{e}")))?,
+        status: super::parse_status(row.get(5))?,
         attempts: row.get(6),
         last_error: row.get(7),
         updated_at: row.get(8),
@@ -184,10 +181,7 @@ pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status,
         .await?;
     let mut counts: Vec<(Status, i64)> = Status::ALL.iter().map(|&s| (s, 0)).collect();
     for row in rows {
-        let status: String = row.get(0);
-        let status: Status = status
-            .parse()
-            .map_err(|e| DbError::Invalid(format!("{e}")))?;
+        let status = super::parse_status(row.get(0))?;
         if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == status) {
             slot.1 = row.get(1);
         }
@@ -498,12 +492,9 @@ impl RetryState {
     /// From columns `id, processing_status, attempts, seconds until
     /// retry_not_before (or NULL), retry_not_before = 'infinity'`.
     fn from_row(r: &tokio_postgres::Row) -> Result<RetryState, DbError> {
-        let status: String = r.get(1);
         Ok(RetryState {
             id: r.get(0),
-            status: status
-                .parse()
-                .map_err(|e| DbError::Invalid(format!("{e}")))?,
+            status: super::parse_status(r.get(1))?,
             attempts: r.get(2),
             not_due_for: r
                 .get::<_, Option<f64>>(3)

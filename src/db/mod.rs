@@ -58,6 +58,12 @@ impl DbError {
     }
 }
 
+/// Parses a `processing_status` value read from the database; one outside
+/// the state machine is an error, not a panic.
+pub(crate) fn parse_status(text: &str) -> Result<crate::status::Status, DbError> {
+    text.parse().map_err(|e| DbError::Invalid(format!("{e}")))
+}
+
 /// Renders a tokio-postgres error with the server's message when it has one
 /// (its `Display` alone says only "db error").
 fn describe(e: &tokio_postgres::Error) -> String {
