@@ -13,8 +13,9 @@
 //!    `POST /ai-articles`, so most requests overlap and get 409. Two starts:
 //!    *staggered* (each client at its own offset) and *together* (all at the
 //!    first window, colliding on every window). The service runs in this process with the offline
-//!    writer (issues complete almost at once). Requests/s, p50/p99 latency,
-//!    202/409 counts (and the latency of the requests that claimed), then,
+//!    writer (issues complete almost at once). Requests/s, p50/p99 latency
+//!    (also for each tenth of the run, so a slow start shows apart from a
+//!    backlog that builds up), 202/409 counts (and the latency of the requests that claimed), then,
 //!    once every claimed issue is `DONE` (counted on the gapless transition
 //!    stream), duplicates checked with SQL. Run twice: as fast as the
 //!    clients go (closed loop), and paced at `BENCH_PACED_RATE` (default
@@ -458,6 +459,8 @@ struct ClaimAnswer {
 #[derive(Default)]
 struct ClientTally {
     latencies_ms: Vec<f64>,
+    /// When each request of `latencies_ms` was due (paced) or sent.
+    timed_from: Vec<Instant>,
     /// Latencies of the requests that claimed something (202).
     claiming_latencies_ms: Vec<f64>,
     statuses: HashMap<u16, u64>,
@@ -488,6 +491,7 @@ async fn post_all(
         let (status, body) = http.request("POST", &url, &request).await;
         let took_ms = sent.elapsed().as_secs_f64() * 1000.0;
         tally.latencies_ms.push(took_ms);
+        tally.timed_from.push(sent);
         *tally.statuses.entry(status).or_default() += 1;
         if status == 202 {
             tally.claiming_latencies_ms.push(took_ms);
@@ -631,6 +635,7 @@ async fn run_clients(plans: Vec<Plan>, rate: Option<f64>) -> (ClientTally, Insta
     for task in tasks {
         let tally = task.await.unwrap();
         all.latencies_ms.extend(tally.latencies_ms);
+        all.timed_from.extend(tally.timed_from);
         all.claiming_latencies_ms
             .extend(tally.claiming_latencies_ms);
         for (status, n) in tally.statuses {
@@ -688,6 +693,44 @@ enum Start {
     Together,
 }
 
+/// Each client's requests for the seeds' workload over `ids`.
+fn seeds_plans(endpoint: &str, ids: &[i64], clients: usize, start: Start) -> Vec<Plan> {
+    let windows = windows(ids);
+    (0..clients)
+        .map(|c| {
+            let first = match start {
+                Start::Staggered => c * windows.len() / clients,
+                Start::Together => 0,
+            };
+            (0..windows.len())
+                .map(|k| {
+                    (
+                        endpoint.to_owned(),
+                        windows[(first + k) % windows.len()].clone(),
+                    )
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// p50 and p99 of the requests timed from each tenth of the run, in order,
+/// so a slow start (or end) shows apart from the rest.
+fn latency_by_tenth(tally: &ClientTally, began: Instant, elapsed: Duration) -> serde_json::Value {
+    let mut tenths = vec![Vec::new(); 10];
+    for (&ms, &from) in tally.latencies_ms.iter().zip(&tally.timed_from) {
+        let at = from.saturating_duration_since(began).as_secs_f64() / elapsed.as_secs_f64();
+        tenths[((at * 10.0) as usize).min(9)].push(ms);
+    }
+    tenths
+        .into_iter()
+        .map(|mut ms| {
+            ms.sort_by(f64::total_cmp);
+            json!({ "requests": ms.len(), "p50": percentile(&ms, 0.5), "p99": percentile(&ms, 0.99) })
+        })
+        .collect()
+}
+
 async fn seeds_over_http(
     url: String,
     issues: usize,
@@ -699,23 +742,7 @@ async fn seeds_over_http(
     let ids = add_issues(&pool, issues).await;
     let service = start_service(&url, "bench-seeds").await;
     let endpoint = format!("http://{}/ai-articles", service.addr);
-    let windows = windows(&ids);
-    let mut plans = Vec::new();
-    for c in 0..clients {
-        let first = match start {
-            Start::Staggered => c * windows.len() / clients,
-            Start::Together => 0,
-        };
-        let requests = (0..windows.len())
-            .map(|k| {
-                (
-                    endpoint.clone(),
-                    windows[(first + k) % windows.len()].clone(),
-                )
-            })
-            .collect();
-        plans.push(requests);
-    }
+    let plans = seeds_plans(&endpoint, &ids, clients, start);
     let seq = last_seq(&pool).await;
     let skipped_from_memory_before = ids_skipped_known_done();
     let (mut tally, began, finished) = run_clients(plans, rate).await;
@@ -723,6 +750,7 @@ async fn seeds_over_http(
     let elapsed = finished - began;
     let distinct: std::collections::BTreeSet<i64> = tally.claimed.iter().copied().collect();
     wait_for_done(&service.hub, seq, distinct.len()).await;
+    let by_tenth = latency_by_tenth(&tally, began, elapsed);
     tally.latencies_ms.sort_by(f64::total_cmp);
     tally.claiming_latencies_ms.sort_by(f64::total_cmp);
     let requests = tally.latencies_ms.len();
@@ -750,6 +778,7 @@ async fn seeds_over_http(
             "p99": percentile(&tally.latencies_ms, 0.99),
             "max": percentile(&tally.latencies_ms, 1.0),
         },
+        "latency_ms_by_tenth_of_the_run": by_tenth,
         "latency_ms_of_claiming_requests": {
             "p50": percentile(&tally.claiming_latencies_ms, 0.50),
             "p90": percentile(&tally.claiming_latencies_ms, 0.90),

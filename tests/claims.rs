@@ -328,3 +328,122 @@ async fn merged_requests_answer_as_if_one_after_another() {
         4
     );
 }
+
+/// Entries a plan read from `issue`'s indexes, and rows it read by
+/// scanning the table itself, from `EXPLAIN (ANALYZE, FORMAT JSON)`: what
+/// the scans returned plus what their filters removed, every loop counted.
+fn issue_rows_read(plan: &serde_json::Value, issue_indexes: &[String]) -> f64 {
+    let scans_issue = plan["Index Name"]
+        .as_str()
+        .is_some_and(|name| issue_indexes.iter().any(|i| i == name))
+        || plan["Node Type"] == "Seq Scan" && plan["Relation Name"] == "issue";
+    let own = if scans_issue {
+        let n = |key: &str| plan[key].as_f64().unwrap_or(0.0);
+        (n("Actual Rows") + n("Rows Removed by Filter")) * n("Actual Loops")
+    } else {
+        0.0
+    };
+    own + plan["Plans"].as_array().map_or(0.0, |children| {
+        children
+            .iter()
+            .map(|c| issue_rows_read(c, issue_indexes))
+            .sum()
+    })
+}
+
+/// The claim and completion statements look up the ids they are given,
+/// whatever else is in flight and whatever the statistics say: their
+/// generic plans (the pool's sessions use generic plans) read a handful of
+/// `issue` rows for a one-issue batch while a thousand other claims are
+/// live, on a table never analysed and on one analysed while nothing was in
+/// flight. A completion once scanned the reaper's index of live leases
+/// (every live claim, and every entry a claim left dead since the last
+/// vacuum) on every batch; without that index, it scanned the table.
+#[tokio::test]
+async fn claim_and_completion_read_only_the_issues_they_are_given() {
+    for analysed in [false, true] {
+        let (claim, complete) = issue_rows_read_by_one_issue_batches(analysed).await;
+        // One row to find, read at most once by each part of the statement.
+        assert!(
+            claim <= 4.0,
+            "analysed: {analysed}: the claim read {claim} issue rows"
+        );
+        assert!(
+            complete <= 10.0,
+            "analysed: {analysed}: the completion read {complete} issue rows"
+        );
+    }
+}
+
+/// Claims 1,000 of 1,500 issues, then returns how many `issue` rows the
+/// generic plans of a one-issue claim and of a one-issue completion read.
+/// With `analyse_first`, the table is analysed before the claims.
+async fn issue_rows_read_by_one_issue_batches(analyse_first: bool) -> (f64, f64) {
+    let db = TestDb::new().await;
+    let client = db.raw().await;
+    // The statistics stay as set here: autovacuum would analyse at will.
+    client
+        .batch_execute(
+            "ALTER TABLE issue SET (autovacuum_enabled = off);
+             SET plan_cache_mode = force_generic_plan;",
+        )
+        .await
+        .unwrap();
+    let ids = db.add_issues(1_500).await;
+    if analyse_first {
+        client.batch_execute("ANALYZE issue").await.unwrap();
+    }
+    let pool_client = db.pool.get().await.unwrap();
+    let live = claim_issues(
+        &pool_client,
+        &ids[..1_000],
+        "others",
+        LEASE,
+        ClaimScope::Claimable,
+    )
+    .await
+    .unwrap();
+    assert_eq!(live.claimed.len(), 1_000);
+    let (pending, mine) = (ids[1_400], ids[1_200]);
+    let claim_id = claim_issues(&pool_client, &[mine], "me", LEASE, ClaimScope::Claimable)
+        .await
+        .unwrap()
+        .claimed[0]
+        .claim_id;
+
+    let issue_indexes: Vec<String> = client
+        .query(
+            "SELECT indexname::text FROM pg_indexes WHERE tablename = 'issue'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    client
+        .batch_execute(&format!(
+            "PREPARE claim(bigint[], text, float8, integer) AS {};
+             PREPARE complete(bigint[], bigint[], text[], text[], text) AS {};",
+            newsnack::db::issue::CLAIM_STATEMENT,
+            newsnack::db::issue::COMPLETE_STATEMENT,
+        ))
+        .await
+        .unwrap();
+    let mut read = Vec::new();
+    for execute in [
+        format!("EXECUTE claim(ARRAY[{pending}]::bigint[], 'me', 60, NULL)"),
+        format!("EXECUTE complete(ARRAY[{mine}]::bigint[], ARRAY[{claim_id}]::bigint[], '{{h}}', '{{b}}', 'me')"),
+    ] {
+        // Run for real, and undone.
+        client.batch_execute("BEGIN").await.unwrap();
+        let plan: serde_json::Value = client
+            .query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {execute}"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        client.batch_execute("ROLLBACK").await.unwrap();
+        read.push(issue_rows_read(&plan[0]["Plan"], &issue_indexes));
+    }
+    (read[0], read[1])
+}

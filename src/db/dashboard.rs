@@ -116,8 +116,8 @@ pub async fn snapshot(
     let in_flight = tx
         .query(
             "SELECT id, title, claimed_by, lease_until, attempts, updated_at
-               FROM issue WHERE processing_status = 'IN_PROGRESS'
-              ORDER BY lease_until NULLS LAST, id
+               FROM issue WHERE processing_status = 'IN_PROGRESS' AND lease_until IS NOT NULL
+              ORDER BY lease_until, id
               LIMIT $1",
             &[&limits.in_flight],
         )

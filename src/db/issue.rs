@@ -189,6 +189,37 @@ pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status,
     Ok(counts)
 }
 
+/// The claim statement of [`claim_issues`]. Its parameters: the ids, the
+/// holder, the lease in seconds, and the attempt limit of a retry (NULL for
+/// a first claim). Public so that tests can check its plan.
+pub const CLAIM_STATEMENT: &str = "WITH claimable AS MATERIALIZED (
+         SELECT i.id
+           FROM issue i
+          WHERE i.id = ANY($1::bigint[])
+            AND CASE WHEN $4::integer IS NULL
+                     THEN i.processing_status IN ('PENDING', 'FAILED')
+                     ELSE i.processing_status = 'FAILED' AND i.attempts < $4::integer
+                          AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
+                END
+          ORDER BY i.id
+            FOR NO KEY UPDATE OF i SKIP LOCKED
+     ), claimed AS (
+         UPDATE issue i
+            SET processing_status = 'IN_PROGRESS',
+                attempts = i.attempts + 1,
+                claim_id = nextval('issue_claim_id_seq'),
+                claimed_by = $2,
+                lease_until = now() + make_interval(secs => $3::float8)
+           FROM claimable c
+          WHERE i.id = c.id
+      RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until
+     )
+     SELECT id, claim_id, attempts, title, body, lease_until FROM claimed
+     UNION ALL
+     SELECT i.id, NULL, NULL, NULL, NULL, NULL
+       FROM issue i
+      WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'DONE'";
+
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
 /// token, counts the attempt, records the holder and the lease deadline.
@@ -207,37 +238,7 @@ pub async fn claim_issues(
     lease: Duration,
     scope: ClaimScope,
 ) -> Result<ClaimOutcome, DbError> {
-    let statement = client
-        .prepare_cached(
-            "WITH claimable AS MATERIALIZED (
-                 SELECT i.id
-                   FROM issue i
-                  WHERE i.id = ANY($1::bigint[])
-                    AND CASE WHEN $4::integer IS NULL
-                             THEN i.processing_status IN ('PENDING', 'FAILED')
-                             ELSE i.processing_status = 'FAILED' AND i.attempts < $4::integer
-                                  AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
-                        END
-                  ORDER BY i.id
-                    FOR NO KEY UPDATE OF i SKIP LOCKED
-             ), claimed AS (
-                 UPDATE issue i
-                    SET processing_status = 'IN_PROGRESS',
-                        attempts = i.attempts + 1,
-                        claim_id = nextval('issue_claim_id_seq'),
-                        claimed_by = $2,
-                        lease_until = now() + make_interval(secs => $3::float8)
-                   FROM claimable c
-                  WHERE i.id = c.id
-              RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until
-             )
-             SELECT id, claim_id, attempts, title, body, lease_until FROM claimed
-             UNION ALL
-             SELECT i.id, NULL, NULL, NULL, NULL, NULL
-               FROM issue i
-              WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'DONE'",
-        )
-        .await?;
+    let statement = client.prepare_cached(CLAIM_STATEMENT).await?;
     let retry_below: Option<i32> = match scope {
         ClaimScope::Claimable => None,
         ClaimScope::RetryBelow(max) => Some(max),
@@ -324,6 +325,26 @@ pub struct Completion {
     pub body: String,
 }
 
+/// The completion statement of [`complete`]. Its parameters: ids, claim
+/// ids, headlines and bodies (one element per completion) and the writer.
+/// The ids are also matched with `= ANY($1)`, so that every plan looks them
+/// up by primary key, however few issues the statistics say are in flight.
+/// Public so that tests can check its plan.
+pub const COMPLETE_STATEMENT: &str = "WITH input AS (
+         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[])
+                  AS t(id, claim_id, headline, body)
+     ), done AS (
+         UPDATE issue i SET processing_status = 'DONE'
+           FROM input
+          WHERE i.id = ANY($1::bigint[]) AND i.id = input.id
+            AND i.claim_id = input.claim_id AND i.processing_status = 'IN_PROGRESS'
+      RETURNING i.id, i.claim_id
+     )
+     INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
+     SELECT d.id, input.headline, input.body, $5, d.claim_id
+       FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
+  RETURNING issue_id, claim_id";
+
 /// Completes claims in one statement (so one transaction): each issue that
 /// is still `IN_PROGRESS` under its very claim is set `DONE` and its article
 /// stored; the others are left alone. Answers in the order given.
@@ -332,24 +353,7 @@ pub async fn complete(
     completions: &[Completion],
     writer: &str,
 ) -> Result<Vec<Fenced>, DbError> {
-    let statement = client
-        .prepare_cached(
-            "WITH input AS (
-                 SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[])
-                          AS t(id, claim_id, headline, body)
-             ), done AS (
-                 UPDATE issue i SET processing_status = 'DONE'
-                   FROM input
-                  WHERE i.id = input.id AND i.claim_id = input.claim_id
-                    AND i.processing_status = 'IN_PROGRESS'
-              RETURNING i.id, i.claim_id
-             )
-             INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
-             SELECT d.id, input.headline, input.body, $5, d.claim_id
-               FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
-          RETURNING issue_id, claim_id",
-        )
-        .await?;
+    let statement = client.prepare_cached(COMPLETE_STATEMENT).await?;
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
     let written: BTreeSet<(i64, i64)> = client

@@ -40,6 +40,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "claim token",
         sql: include_str!("../../sql/0005_claim_token.sql"),
     },
+    Migration {
+        version: 6,
+        name: "lease index",
+        sql: include_str!("../../sql/0006_lease_index.sql"),
+    },
 ];
 
 /// What a migration run did.
