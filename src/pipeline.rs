@@ -239,20 +239,19 @@ impl Pipeline {
         if lock.borrow().is_none() && record.outcome == "abandoned" {
             record.lock_lost();
         }
-        match self
+        let recorded = match self
             .record(run_id, &mut record, publish.then_some(lock))
             .await
         {
             Err(PipelineError::Db(e)) if publish => {
-                // Record the run as failed, without the briefing.
-                record.outcome = "error".into();
-                record.error = Some(e.to_string());
-                record.briefing_id = None;
-                self.record(run_id, &mut record, None).await?;
-                return Err(e.into());
+                self.record_failure(run_id, &mut record, e).await
             }
-            recorded => recorded?,
+            recorded => recorded,
+        };
+        if let Err(PipelineError::TakenOver) = recorded {
+            tracing::warn!(run_id, "another instance took over this run after its pipeline lock was lost; nothing published");
         }
+        recorded?;
         match &record.error {
             Some(error) if record.outcome == "error" => {
                 tracing::warn!(run_id, %error, "pipeline run failed")
@@ -268,6 +267,44 @@ impl Pipeline {
             completed: record.completed,
             briefing_id: record.briefing_id,
         }))
+    }
+
+    /// After the last step failed with `error`: records the run as an
+    /// `error` without the briefing, unless the step's commit landed after
+    /// all and only its answer was lost (the connection broke while
+    /// committing), in which case `record` is what was recorded. The
+    /// failure's own write tells the two apart: it waits on the run's row
+    /// for the step's transaction to end, and finds the run `running` only
+    /// if that transaction did not commit.
+    async fn record_failure(
+        &self,
+        run_id: i64,
+        record: &mut RunRecord,
+        error: DbError,
+    ) -> Result<(), PipelineError> {
+        let attempted = record.clone();
+        record.outcome = "error".into();
+        record.error = Some(error.to_string());
+        record.briefing_id = None;
+        match self.record(run_id, record, None).await {
+            Ok(()) => Err(error.into()),
+            Err(PipelineError::TakenOver) if self.recorded_as(run_id, &attempted).await => {
+                tracing::warn!(run_id, %error, "the run's last commit reported an error but was recorded");
+                *record = attempted;
+                Ok(())
+            }
+            Err(other) => Err(other),
+        }
+    }
+
+    /// Whether the run's row holds `record`; false when that cannot be read.
+    async fn recorded_as(&self, run_id: i64, record: &RunRecord) -> bool {
+        match self.pool.get().await {
+            Ok(client) => pipeline_run::recorded_as(&client, run_id, record)
+                .await
+                .unwrap_or(false),
+            Err(_) => false,
+        }
     }
 
     /// One transaction: the briefing of `record.completed` (when publishing
@@ -303,7 +340,6 @@ impl Pipeline {
             }
         }
         if !pipeline_run::finish(&transaction, run_id, record).await? {
-            tracing::warn!(run_id, "another instance took over this run after its pipeline lock was lost; nothing published");
             return Err(PipelineError::TakenOver);
         }
         transaction.commit().await.map_err(DbError::from)?;

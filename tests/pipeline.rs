@@ -2,7 +2,8 @@
 //! publishes nothing, assembly from exactly the given ids, settings changed
 //! by SQL taking effect on the next scheduled run, and two schedulers that
 //! run each tick exactly once, surviving the loss of one; a run that loses
-//! its lock, or was taken over, publishes nothing.
+//! its lock, or was taken over, publishes nothing; a run whose last commit
+//! lands but whose answer is lost reports what it recorded.
 
 mod common;
 
@@ -564,4 +565,154 @@ async fn the_server_alone_says_which_session_holds_the_pipeline_lock() {
     .await
     .unwrap()
     .is_none());
+}
+
+/// A TCP proxy to the test database that loses the answer to one commit:
+/// on the first connection that records a run's outcome (`UPDATE
+/// pipeline_run SET finished_at ...`), it lets the `COMMIT` that follows
+/// through to the server, swallows the server's answer and closes the
+/// connection on the client's side, as a network failure mid-commit would.
+struct LosesACommitAnswer {
+    addr: std::net::SocketAddr,
+    /// Set once an answer was lost.
+    lost: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LosesACommitAnswer {
+    async fn start(server: std::net::SocketAddr) -> LosesACommitAnswer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let lost_flag = lost.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = tokio::net::TcpStream::connect(server).await else {
+                    continue;
+                };
+                tokio::spawn(relay(client, upstream, armed.clone(), lost_flag.clone()));
+            }
+        });
+        LosesACommitAnswer { addr, lost }
+    }
+}
+
+async fn relay(
+    client: tokio::net::TcpStream,
+    upstream: tokio::net::TcpStream,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    lost: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::Ordering::SeqCst;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = upstream.into_split();
+    let cut = tokio_util::sync::CancellationToken::new();
+    let cut_up = cut.clone();
+    let up = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut records_outcome = false;
+        while let Ok(n) = from_client.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            let chunk = &buf[..n];
+            let commit = memchr::memmem::find(chunk, b"COMMIT\0").is_some();
+            records_outcome |=
+                memchr::memmem::find(chunk, b"UPDATE pipeline_run SET finished_at").is_some();
+            if records_outcome && commit && armed.swap(false, SeqCst) {
+                // Cut before the server can answer, then let the commit through.
+                cut_up.cancel();
+                let _ = to_server.write_all(chunk).await;
+                return;
+            }
+            if commit {
+                records_outcome = false;
+            }
+            if to_server.write_all(chunk).await.is_err() {
+                break;
+            }
+        }
+    };
+    let down = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n) = from_server.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            if cut.is_cancelled() {
+                // The commit's answer: dropped, and the client cut off.
+                eprintln!(
+                    "DBG dropped {:?}",
+                    String::from_utf8_lossy(&buf[..n.min(80)])
+                );
+                lost.store(true, SeqCst);
+                break;
+            }
+            if to_client.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+    };
+    tokio::join!(up, down);
+}
+
+/// A run whose last commit landed but whose answer was lost reports what it
+/// recorded: its briefing is published once, and the run is not mistaken
+/// for one another instance took over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_last_commit_answer_is_lost_reports_what_it_recorded() {
+    let db = TestDb::new().await;
+    let ids = scored_issues(&db, &[4.0, 3.0, 2.0]).await;
+    let (host, port) = match (db.config.get_hosts(), db.config.get_ports()) {
+        ([tokio_postgres::config::Host::Tcp(host)], [port]) => (host.clone(), *port),
+        _ => panic!("this test needs the database over TCP, got {:?}", db.config),
+    };
+    let server = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = LosesACommitAnswer::start(server).await;
+    let through_proxy =
+        db.url
+            .replacen(&format!(":{port}/"), &format!(":{}/", proxy.addr.port()), 1);
+    assert_ne!(through_proxy, db.url, "the proxy's URL");
+
+    let out = tokio::task::block_in_place(|| {
+        Command::new(env!("CARGO_BIN_EXE_newsnack"))
+            .arg("run-pipeline")
+            .env("DATABASE_URL", &through_proxy)
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap()
+    });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        proxy.lost.load(std::sync::atomic::Ordering::SeqCst),
+        "no commit answer was lost: {stderr}"
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("reported an error but was recorded"),
+        "{stderr}"
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], "all_pass");
+    let briefing_id = summary["briefing_id"].as_i64().expect("a briefing");
+    let sql = db.raw().await;
+    let run = sql
+        .query_one("SELECT outcome, briefing_id FROM pipeline_run", &[])
+        .await
+        .unwrap();
+    assert_eq!(run.get::<_, String>(0), "all_pass");
+    assert_eq!(run.get::<_, Option<i64>>(1), Some(briefing_id));
+    let briefings: Vec<Vec<i64>> = sql
+        .query("SELECT issue_ids FROM briefing", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(briefings, vec![ids.clone()]);
 }

@@ -103,6 +103,28 @@ pub async fn finish(
     Ok(updated == 1)
 }
 
+/// Whether the run's row holds exactly `record`'s outcome, briefing and
+/// error: once a commit whose answer was lost (the connection broke while
+/// committing) has ended, whether it landed. Another writer's outcome
+/// (`abandon_stale`'s) differs in its error.
+pub async fn recorded_as(
+    client: &impl GenericClient,
+    id: i64,
+    record: &RunRecord,
+) -> Result<bool, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT outcome, briefing_id, error FROM pipeline_run WHERE id = $1",
+            &[&id],
+        )
+        .await?;
+    Ok(row.is_some_and(|r| {
+        r.get::<_, String>(0) == record.outcome
+            && r.get::<_, Option<i64>>(1) == record.briefing_id
+            && r.get::<_, Option<String>>(2) == record.error
+    }))
+}
+
 /// The newest runs first.
 pub async fn recent(client: &impl GenericClient, limit: i64) -> Result<Vec<RunView>, DbError> {
     let rows = client
