@@ -329,28 +329,6 @@ async fn merged_requests_answer_as_if_one_after_another() {
     );
 }
 
-/// Entries a plan read from `issue`'s indexes, and rows it read by
-/// scanning the table itself, from `EXPLAIN (ANALYZE, FORMAT JSON)`: what
-/// the scans returned plus what their filters removed, every loop counted.
-fn issue_rows_read(plan: &serde_json::Value, issue_indexes: &[String]) -> f64 {
-    let scans_issue = plan["Index Name"]
-        .as_str()
-        .is_some_and(|name| issue_indexes.iter().any(|i| i == name))
-        || plan["Node Type"] == "Seq Scan" && plan["Relation Name"] == "issue";
-    let own = if scans_issue {
-        let n = |key: &str| plan[key].as_f64().unwrap_or(0.0);
-        (n("Actual Rows") + n("Rows Removed by Filter")) * n("Actual Loops")
-    } else {
-        0.0
-    };
-    own + plan["Plans"].as_array().map_or(0.0, |children| {
-        children
-            .iter()
-            .map(|c| issue_rows_read(c, issue_indexes))
-            .sum()
-    })
-}
-
 /// The claim and completion statements look up the ids they are given,
 /// whatever else is in flight and whatever the statistics say: their
 /// generic plans (the pool's sessions use generic plans) read a handful of
@@ -411,16 +389,6 @@ async fn issue_rows_read_by_one_issue_batches(analyse_first: bool) -> (f64, f64)
         .claimed[0]
         .claim_id;
 
-    let issue_indexes: Vec<String> = client
-        .query(
-            "SELECT indexname::text FROM pg_indexes WHERE tablename = 'issue'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
     client
         .batch_execute(&format!(
             "PREPARE claim(bigint[], text, float8, integer) AS {};
@@ -430,20 +398,12 @@ async fn issue_rows_read_by_one_issue_batches(analyse_first: bool) -> (f64, f64)
         ))
         .await
         .unwrap();
-    let mut read = Vec::new();
-    for execute in [
-        format!("EXECUTE claim(ARRAY[{pending}]::bigint[], 'me', 60, NULL)"),
-        format!("EXECUTE complete(ARRAY[{mine}]::bigint[], ARRAY[{claim_id}]::bigint[], '{{h}}', '{{b}}', 'me')"),
-    ] {
-        // Run for real, and undone.
-        client.batch_execute("BEGIN").await.unwrap();
-        let plan: serde_json::Value = client
-            .query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {execute}"), &[])
-            .await
-            .unwrap()
-            .get(0);
-        client.batch_execute("ROLLBACK").await.unwrap();
-        read.push(issue_rows_read(&plan[0]["Plan"], &issue_indexes));
-    }
-    (read[0], read[1])
+    let claim = format!("EXECUTE claim(ARRAY[{pending}]::bigint[], 'me', 60, NULL)");
+    let complete = format!(
+        "EXECUTE complete(ARRAY[{mine}]::bigint[], ARRAY[{claim_id}]::bigint[], '{{h}}', '{{b}}', 'me')"
+    );
+    (
+        common::rows_read(&client, "issue", &claim).await,
+        common::rows_read(&client, "issue", &complete).await,
+    )
 }

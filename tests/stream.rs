@@ -1,6 +1,7 @@
 //! The transition log is commit-ordered: a transaction that took a `seq`
 //! first commits first, so a reader following `seq > last` never skips a
-//! row. Shown against a naive log without that rule, which does skip.
+//! row. Shown against a naive log without that rule, which does skip. And
+//! one issue's transitions are read without scanning the rest of the log.
 
 mod common;
 
@@ -209,4 +210,53 @@ async fn a_filtered_stream_resumes_from_a_seq_for_one_issue() {
     let mut resumed = hub.stream_after(first.seq, Some(ids[1]));
     assert_eq!(within(10, "resume", resumed.next()).await.unwrap(), second);
     stop.cancel();
+}
+
+/// Reading one issue's transitions (`GET /events?issue_id=`, `tail
+/// --issue`) reads that issue's rows of the log, not the whole log after
+/// the resume point: the generic plan (the pool's sessions use generic
+/// plans) reads a handful of rows among 3,000 other issues' transitions.
+#[tokio::test]
+async fn one_issues_transitions_are_read_without_scanning_the_log() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(3_000).await;
+    let target = ids[1_500];
+    db.move_with_sql(&[target], &["IN_PROGRESS", "FAILED", "IN_PROGRESS", "DONE"])
+        .await;
+    let pool_client = db.pool.get().await.unwrap();
+    let read = newsnack::db::transition::read_after(&**pool_client, 0, Some(target), 100)
+        .await
+        .unwrap();
+    let statuses: Vec<Status> = read.iter().map(|t| t.to).collect();
+    assert_eq!(
+        statuses,
+        [
+            Status::Pending,
+            Status::InProgress,
+            Status::Failed,
+            Status::InProgress,
+            Status::Done
+        ]
+    );
+    assert!(read.iter().all(|t| t.issue_id == target));
+
+    let client = db.raw().await;
+    client
+        .batch_execute(&format!(
+            "SET plan_cache_mode = force_generic_plan;
+             PREPARE for_issue(bigint, bigint, bigint) AS {};",
+            newsnack::db::transition::READ_AFTER_FOR_ISSUE
+        ))
+        .await
+        .unwrap();
+    let rows = common::rows_read(
+        &client,
+        "issue_transition",
+        &format!("EXECUTE for_issue(0, {target}, 100)"),
+    )
+    .await;
+    assert!(
+        rows <= 10.0,
+        "reading one issue's 5 transitions read {rows} rows"
+    );
 }

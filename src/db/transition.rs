@@ -6,6 +6,23 @@ use tokio_postgres::GenericClient;
 use super::DbError;
 use crate::transition::Transition;
 
+/// [`read_after`] over the whole log: a range of the primary key. Public,
+/// like the next one, so that tests can check its plan.
+pub const READ_AFTER: &str = "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal
+       FROM issue_transition
+      WHERE seq > $1
+      ORDER BY seq
+      LIMIT $2";
+
+/// [`read_after`] for one issue: a range of `(issue_id, seq)`, so a reader
+/// of one issue reads its rows only, however long the log.
+pub const READ_AFTER_FOR_ISSUE: &str =
+    "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal
+       FROM issue_transition
+      WHERE issue_id = $2 AND seq > $1
+      ORDER BY seq
+      LIMIT $3";
+
 /// Up to `limit` transitions after `after_seq`, in `seq` order, optionally
 /// for one issue only. Because `seq` is allocated in commit order, a reader
 /// that resumes from the last `seq` it saw never skips a row.
@@ -15,16 +32,14 @@ pub async fn read_after(
     issue_id: Option<i64>,
     limit: i64,
 ) -> Result<Vec<Transition>, DbError> {
-    let rows = client
-        .query(
-            "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal
-               FROM issue_transition
-              WHERE seq > $1 AND ($2::bigint IS NULL OR issue_id = $2)
-              ORDER BY seq
-              LIMIT $3",
-            &[&after_seq, &issue_id, &limit],
-        )
-        .await?;
+    let rows = match issue_id {
+        None => client.query(READ_AFTER, &[&after_seq, &limit]).await?,
+        Some(issue_id) => {
+            client
+                .query(READ_AFTER_FOR_ISSUE, &[&after_seq, &issue_id, &limit])
+                .await?
+        }
+    };
     rows.iter()
         .map(|row| {
             let from: Option<String> = row.get(2);

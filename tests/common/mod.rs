@@ -346,3 +346,46 @@ pub async fn within<T>(secs: u64, what: &str, fut: impl std::future::Future<Outp
         .await
         .unwrap_or_else(|_| panic!("timed out after {secs}s waiting for {what}"))
 }
+
+/// Rows `statement` read from `table`, by scanning it or as entries of its
+/// indexes, every loop counted: from `EXPLAIN (ANALYZE, FORMAT JSON)`, so
+/// run for real, inside a transaction that is rolled back.
+pub async fn rows_read(client: &Client, table: &str, statement: &str) -> f64 {
+    let indexes: Vec<String> = client
+        .query(
+            "SELECT indexname::text FROM pg_indexes WHERE tablename = $1",
+            &[&table],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    client.batch_execute("BEGIN").await.unwrap();
+    let plan: serde_json::Value = client
+        .query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {statement}"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    client.batch_execute("ROLLBACK").await.unwrap();
+    plan_rows_read(&plan[0]["Plan"], table, &indexes)
+}
+
+fn plan_rows_read(plan: &serde_json::Value, table: &str, indexes: &[String]) -> f64 {
+    let reads_table = plan["Index Name"]
+        .as_str()
+        .is_some_and(|name| indexes.iter().any(|i| i == name))
+        || plan["Node Type"] == "Seq Scan" && plan["Relation Name"] == table;
+    let own = if reads_table {
+        let n = |key: &str| plan[key].as_f64().unwrap_or(0.0);
+        (n("Actual Rows") + n("Rows Removed by Filter")) * n("Actual Loops")
+    } else {
+        0.0
+    };
+    own + plan["Plans"].as_array().map_or(0.0, |children| {
+        children
+            .iter()
+            .map(|c| plan_rows_read(c, table, indexes))
+            .sum()
+    })
+}
