@@ -16,10 +16,15 @@ use common::{until_sql, within, TestDb};
 use newsnack::writer::OfflineWriter;
 
 fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
+    newsnack_at(&db.url, args, llm)
+}
+
+/// Runs the binary on the database at `url`.
+fn newsnack_at(url: &str, args: &[&str], llm: Option<&str>) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
     command
         .args(args)
-        .env("DATABASE_URL", &db.url)
+        .env("DATABASE_URL", url)
         .env("RUST_LOG", "warn");
     if let Some(url) = llm {
         command.env("NEWSNACK_LLM_URL", url);
@@ -679,14 +684,7 @@ async fn a_run_whose_last_commit_answer_is_lost_reports_what_it_recorded() {
             .replacen(&format!(":{port}/"), &format!(":{}/", proxy.addr.port()), 1);
     assert_ne!(through_proxy, db.url, "the proxy's URL");
 
-    let out = tokio::task::block_in_place(|| {
-        Command::new(env!("CARGO_BIN_EXE_newsnack"))
-            .arg("run-pipeline")
-            .env("DATABASE_URL", &through_proxy)
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap()
-    });
+    let out = tokio::task::block_in_place(|| newsnack_at(&through_proxy, &["run-pipeline"], None));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         proxy.lost.load(std::sync::atomic::Ordering::SeqCst),
