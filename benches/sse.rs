@@ -13,11 +13,16 @@
 //! DONE`), paced on a 1 ms tick, each tick's due transitions in one
 //! transaction (one, unless the writer fell behind).
 //!
-//! Latency, for every (client, event) pair: the client's receive time minus
-//! the transition's `at`, which the database stamps with `clock_timestamp()`
-//! in the commit-time trigger (same machine, same clock). It therefore
-//! includes the commit itself (WAL flush) on top of NOTIFY → listener → hub
-//! → SSE → client; the writer's commit round trips are reported next to it.
+//! Latency, for every (client, event) pair: when the event reached the
+//! client minus the transition's `at`, which the database stamps with
+//! `clock_timestamp()` in the commit-time trigger (same machine, same
+//! clock). It therefore includes the commit itself (WAL flush) on top of
+//! NOTIFY → listener → hub → SSE → client; the writer's commit round trips
+//! are reported next to it. "Reached the client" is the kernel's stamp of
+//! the packet's arrival at the client's socket (`SO_TIMESTAMPNS`):
+//! `latency_ms`. The client process serves its 200 sockets one after the
+//! other on one thread, so when it gets to read a socket is later, by its
+//! own queue: that is `latency_to_read_ms`, reported next to it.
 //! The client process checks that every client received every transition
 //! from its start on, exactly once and in order.
 //!
@@ -37,9 +42,11 @@ use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::serve::ServeOptions;
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::json;
+use std::os::fd::AsRawFd;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::TcpStream;
 use tokio::process::Command;
 use tokio::sync::watch;
@@ -292,6 +299,7 @@ async fn bench() {
         },
         "every_client_got_every_transition_once_in_order": client_report["complete"],
         "latency_ms": client_report["latency_ms"],
+        "latency_to_read_ms": client_report["latency_to_read_ms"],
         "latency_to_hub_ms": {
             "what": "commit-time `at` to a subscriber on a thread of its own (commit, NOTIFY, the listener's thread; no SSE work)",
             "p50": percentile_ms(&hub_us, 50.0),
@@ -339,7 +347,6 @@ async fn clients(url: String, n: usize) {
     for (socket, rest) in streams {
         let mut final_rx = final_rx.clone();
         tasks.push(tokio::spawn(async move {
-            let mut socket = socket;
             let mut client = ClientStats::default();
             let mut body = ChunkedBody::new(rest);
             let mut buf = vec![0u8; 16 * 1024];
@@ -348,14 +355,22 @@ async fn clients(url: String, n: usize) {
                     return client;
                 }
                 tokio::select! {
-                    read = socket.read(&mut buf) => {
-                        let read = read.expect("read the stream");
+                    ready = socket.readable() => {
+                        ready.expect("wait for the stream");
+                        let (read, arrived) = match socket
+                            .try_io(Interest::READABLE, || recv_stamped(&socket, &mut buf))
+                        {
+                            Ok(read) => read,
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                            Err(e) => panic!("read the stream: {e}"),
+                        };
                         if read == 0 {
                             client.ended_early = true;
                             return client;
                         }
-                        let received = OffsetDateTime::now_utc();
-                        body.feed(&buf[..read], |block| client.event(block, received));
+                        let read_at = OffsetDateTime::now_utc();
+                        let arrived = arrived.unwrap_or(read_at);
+                        body.feed(&buf[..read], |block| client.event(block, arrived, read_at));
                         if body.ended {
                             client.ended_early = true;
                             return client;
@@ -380,7 +395,7 @@ async fn clients(url: String, n: usize) {
         .unwrap();
     final_tx.send_replace(last);
 
-    let mut latencies: Vec<u64> = Vec::new();
+    let (mut latencies, mut read_latencies) = (Vec::new(), Vec::new());
     let mut complete = true;
     for task in tasks {
         let client = tokio::time::timeout(Duration::from_secs(90), task)
@@ -392,17 +407,23 @@ async fn clients(url: String, n: usize) {
             && client.last == Some(last)
             && client.other_events == 0;
         latencies.extend(client.latencies_us);
+        read_latencies.extend(client.read_latencies_us);
     }
     latencies.sort_unstable();
+    read_latencies.sort_unstable();
+    let summary = |sorted: &[u64]| {
+        json!({
+            "p50": percentile_ms(sorted, 50.0),
+            "p99": percentile_ms(sorted, 99.0),
+            "p999": percentile_ms(sorted, 99.9),
+            "max": sorted.last().map(|&us| us as f64 / 1000.0),
+        })
+    };
     let report = json!({
         "pairs": latencies.len(),
         "complete": complete,
-        "latency_ms": {
-            "p50": percentile_ms(&latencies, 50.0),
-            "p99": percentile_ms(&latencies, 99.0),
-            "p999": percentile_ms(&latencies, 99.9),
-            "max": latencies.last().map(|&us| us as f64 / 1000.0),
-        },
+        "latency_ms": summary(&latencies),
+        "latency_to_read_ms": summary(&read_latencies),
         "rss_kib": rss_kib(None),
     });
     println!("{report}");
@@ -414,6 +435,7 @@ async fn clients(url: String, n: usize) {
 async fn open(addr: &str) -> (TcpStream, Vec<u8>) {
     let mut socket = TcpStream::connect(addr).await.expect("connect");
     socket.set_nodelay(true).unwrap();
+    stamp_arrivals(&socket);
     socket
         .write_all(
             format!("GET /events HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n\r\n")
@@ -504,12 +526,15 @@ struct ClientStats {
     out_of_order: u64,
     other_events: u64,
     ended_early: bool,
+    /// Commit to arrival at this client's socket.
     latencies_us: Vec<u64>,
+    /// Commit to this client process reading it.
+    read_latencies_us: Vec<u64>,
 }
 
 impl ClientStats {
     /// One event block (`id:`, `event:`, `data:` lines).
-    fn event(&mut self, block: &[u8], received: OffsetDateTime) {
+    fn event(&mut self, block: &[u8], arrived: OffsetDateTime, read_at: OffsetDateTime) {
         let text = std::str::from_utf8(block).expect("UTF-8 events");
         let (mut seq, mut at, mut transition) = (None, None, false);
         for line in text.split('\n') {
@@ -539,9 +564,68 @@ impl ClientStats {
             self.out_of_order += 1;
         }
         self.last = Some(seq);
-        let latency = (received - at).whole_microseconds().max(0);
-        self.latencies_us.push(latency as u64);
+        let micros = |to: OffsetDateTime| (to - at).whole_microseconds().max(0) as u64;
+        self.latencies_us.push(micros(arrived));
+        self.read_latencies_us.push(micros(read_at));
     }
+}
+
+/// Asks the kernel to stamp each packet this socket receives with the
+/// (realtime) clock at its arrival (`SO_TIMESTAMPNS`).
+fn stamp_arrivals(socket: &TcpStream) {
+    let on: libc::c_int = 1;
+    // SAFETY: a valid socket descriptor and an int option of the right size.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_TIMESTAMPNS,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "SO_TIMESTAMPNS: {}", std::io::Error::last_os_error());
+}
+
+/// One non-blocking read, with the arrival time of the newest packet it
+/// took (a read that spans several writes gets the latest, so the earlier
+/// events' latencies are, if anything, overstated).
+fn recv_stamped(
+    socket: &TcpStream,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Option<OffsetDateTime>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut control = [0u64; 8];
+    // SAFETY: msghdr is plain data; every pointer set below outlives the
+    // call, and the control buffer is aligned for cmsghdr.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: as above.
+    let read = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+    if read < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut arrived = None;
+    // SAFETY: walks the control messages the kernel wrote into `control`.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_TIMESTAMPNS
+            {
+                let ts = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::timespec>());
+                let nanos = ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128;
+                arrived = OffsetDateTime::from_unix_timestamp_nanos(nanos).ok();
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok((read as usize, arrived))
 }
 
 /// Runs `work` on a new thread with a runtime of its own.
