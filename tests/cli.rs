@@ -344,3 +344,117 @@ async fn run_pipeline_says_so_when_another_run_holds_the_lock_and_locks_lists_it
         "{line}"
     );
 }
+
+/// A schedule written with plain SQL is checked field by field, and the
+/// check never lets through what the scheduler cannot run: thousands of
+/// generated expressions, common and broken, go through both.
+#[tokio::test]
+async fn the_database_accepts_only_schedules_the_scheduler_can_run() {
+    use newsnack::schedule::Schedule;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    let db = TestDb::new().await;
+    let client = db.raw().await;
+    let problems = |schedules: Vec<String>| {
+        let client = &client;
+        async move {
+            client
+                .query(
+                    "SELECT s, newsnack_schedule_problem(s) FROM unnest($1::text[]) s",
+                    &[&schedules],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, Option<String>>(1)))
+                .collect::<Vec<_>>()
+        }
+    };
+
+    let common = [
+        "off",
+        "every 30s",
+        "every 15m",
+        "every 6h",
+        "every 8784h",
+        "0 6 * * *",
+        "*/5 * * * *",
+        "30 0 6 * * *",
+        "0 9 * * MON-FRI",
+        "0 0 1 JAN,JUL *",
+        "0 12 ? * SUN",
+        "0 0 L * ?",
+        "0 0 15W * *",
+        "0 0 * * 5L",
+        "0 0 * * 1#2",
+        "0 8-18/2 * * 1-5",
+        "5/10 * * * *",
+        "@daily",
+        "@hourly",
+        "0 0 * * 7",
+    ];
+    for (schedule, problem) in problems(common.iter().map(|s| s.to_string()).collect()).await {
+        assert_eq!(problem, None, "{schedule:?} is a schedule people write");
+        assert!(schedule.parse::<Schedule>().is_ok(), "{schedule:?}");
+    }
+    let broken = [
+        ("99 * * * *", "outside the minute field's range 0-59"),
+        ("0 24 * * *", "outside the hour field's range 0-23"),
+        ("0 0 0 * *", "outside the day-of-month field's range 1-31"),
+        ("0 0 1 13 *", "outside the month field's range 1-12"),
+        ("0 0 * * 8", "outside the day-of-week field's range 0-7"),
+        ("61 0 0 * * *", "outside the second field's range 0-59"),
+        ("*/0 * * * *", "the step"),
+        ("0 5-1 * * *", "runs backwards"),
+        ("0 0 * * 1#6", "between 1 and 5"),
+        ("0 0 * JUL-FOO *", "not something the month field accepts"),
+        ("0 0 * *", "5 or 6 fields"),
+        ("every 8785h", "at most 366 days"),
+        ("whenever", "5 or 6 fields"),
+    ];
+    let found = problems(broken.iter().map(|(s, _)| s.to_string()).collect()).await;
+    for ((schedule, problem), (_, expected)) in found.iter().zip(broken) {
+        let problem = problem.as_deref().unwrap_or("accepted");
+        assert!(problem.contains(expected), "{schedule:?}: {problem}");
+    }
+
+    // Generated expressions: any the database accepts must parse. Most
+    // fields are fine anywhere, so each odd piece is tried in an otherwise
+    // valid expression.
+    let fine = ["*", "1", "5", "1-5", "*/2", "3/4", "1,2", "2-6/2"];
+    let pieces = [
+        "*", "?", "0", "5", "7", "12", "23", "31", "59", "60", "99", "1-5", "5-1", "0-59", "*/15",
+        "*/0", "*/61", "3/4", "10-20/5", "L", "5L", "15W", "1#2", "1#6", "MON", "SUN-SAT", "JAN",
+        "DEC", "1,2", "1,,2", ",", "-", "/", "#", "a", "L-2",
+    ];
+    let mut rng = StdRng::seed_from_u64(7);
+    let generated: Vec<String> = (0..4000)
+        .map(|_| {
+            let fields = if rng.random_bool(0.5) { 5 } else { 6 };
+            (0..fields)
+                .map(|_| {
+                    if rng.random_bool(0.85) {
+                        fine[rng.random_range(0..fine.len())]
+                    } else {
+                        pieces[rng.random_range(0..pieces.len())]
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    let mut accepted = 0;
+    for (schedule, problem) in problems(generated).await {
+        if problem.is_none() {
+            accepted += 1;
+            assert!(
+                schedule.parse::<Schedule>().is_ok(),
+                "the database accepts {schedule:?}, the scheduler cannot run it"
+            );
+        }
+    }
+    assert!(
+        (100..3900).contains(&accepted),
+        "{accepted} of 4000 accepted: the generator should give both kinds"
+    );
+}

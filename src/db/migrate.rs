@@ -45,6 +45,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "lease index",
         sql: include_str!("../../sql/0006_lease_index.sql"),
     },
+    Migration {
+        version: 7,
+        name: "schedule check",
+        sql: include_str!("../../sql/0007_schedule_check.sql"),
+    },
 ];
 
 /// What a migration run did.

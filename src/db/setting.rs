@@ -42,16 +42,10 @@ pub async fn list(client: &impl GenericClient) -> Result<Vec<SettingRow>, DbErro
         .collect())
 }
 
-/// Sets one value; the trigger rejects unknown keys and bad values with a
-/// message that says why. Returns the value as stored (normalised). A
-/// `schedule` is also parsed here as the scheduler will parse it: the
-/// trigger checks a cron expression's shape, not each field's range.
+/// Sets one value; the trigger rejects unknown keys and bad values (a
+/// `schedule` field by field) with a message that says why. Returns the
+/// value as stored (normalised).
 pub async fn set(client: &impl GenericClient, key: &str, value: &str) -> Result<String, DbError> {
-    if key == "schedule" {
-        value
-            .parse::<crate::schedule::Schedule>()
-            .map_err(|e| DbError::Invalid(e.to_string()))?;
-    }
     let row = client
         .query_one(
             "INSERT INTO setting (key, value) VALUES ($1, $2)
