@@ -116,10 +116,10 @@ pub struct ServeArgs {
 pub struct TailArgs {
     /// Start after this log position (0 replays the whole history);
     /// default: from now on.
-    #[arg(long, value_name = "SEQ")]
+    #[arg(long, value_name = "SEQ", value_parser = clap::value_parser!(i64).range(0..))]
     pub since: Option<i64>,
     /// Only this issue's transitions.
-    #[arg(long, value_name = "ID")]
+    #[arg(long, value_name = "ID", value_parser = clap::value_parser!(i64).range(1..))]
     pub issue: Option<i64>,
     /// Only transitions into this status.
     #[arg(long, value_name = "STATUS")]
@@ -384,14 +384,12 @@ async fn issues(url: &str, cmd: IssuesCommand) -> Result<ExitCode, CliError> {
     }
 }
 
-/// The JSON shapes accepted for a batch of issues.
+/// `{"issues": [..]}`, the body `POST /issues` takes (the other accepted
+/// shape is the bare list).
 #[derive(serde::Deserialize)]
-#[serde(untagged)]
-enum IssueFile {
-    Wrapped {
-        issues: Vec<crate::api_types::NewIssueJson>,
-    },
-    List(Vec<crate::api_types::NewIssueJson>),
+#[serde(deny_unknown_fields)]
+struct WrappedIssues {
+    issues: Vec<crate::api_types::NewIssueJson>,
 }
 
 fn read_issue_file(path: &std::path::Path) -> Result<Vec<NewIssue>, CliError> {
@@ -401,15 +399,19 @@ fn read_issue_file(path: &std::path::Path) -> Result<Vec<NewIssue>, CliError> {
         std::fs::read_to_string(path)
     }
     .map_err(|e| CliError::Failed(format!("cannot read {}: {e}", path.display())))?;
-    let parsed: IssueFile = serde_json::from_str(&text).map_err(|e| {
+    // Told apart by the first character, so a bad field gets serde's own
+    // message (with its line and column) rather than "matches no shape".
+    let parsed = if text.trim_start().starts_with('[') {
+        serde_json::from_str::<Vec<crate::api_types::NewIssueJson>>(&text)
+    } else {
+        serde_json::from_str::<WrappedIssues>(&text).map(|w| w.issues)
+    };
+    let list = parsed.map_err(|e| {
         CliError::Failed(format!(
-            "{} is not a JSON list of issues ({e}); expected [{{\"title\":..,\"body\":..,\"score\":..}}]",
+            "{} is not a JSON list of issues ({e}); expected [{{\"title\":..,\"body\":..,\"score\":..}}] or {{\"issues\":[..]}}",
             path.display()
         ))
     })?;
-    let list = match parsed {
-        IssueFile::Wrapped { issues } | IssueFile::List(issues) => issues,
-    };
     Ok(list.into_iter().map(NewIssue::from).collect())
 }
 

@@ -170,6 +170,34 @@ async fn issues_from_a_json_file() {
     );
     assert_eq!(bad.status.code(), Some(1));
     assert!(text(&bad.stderr).contains("title must not be blank"));
+    // Unknown fields are refused as `POST /issues` refuses them, with
+    // serde's own words for what is wrong.
+    for (file, expected) in [
+        (
+            r#"{"issues":[{"title":"C"}],"junk":1}"#,
+            "unknown field `junk`",
+        ),
+        (
+            r#"{"issues":[{"title":"C","status":"DONE"}]}"#,
+            "unknown field `status`",
+        ),
+        (
+            r#"[{"title":"C","score":"high"}]"#,
+            "invalid type: string \"high\"",
+        ),
+    ] {
+        std::fs::write(&path, file).unwrap();
+        let bad = newsnack(
+            &db.url,
+            &["issues", "add", "--file", path.to_str().unwrap()],
+        );
+        assert_eq!(bad.status.code(), Some(1), "{file}");
+        assert!(
+            text(&bad.stderr).contains(expected),
+            "{file}: {}",
+            text(&bad.stderr)
+        );
+    }
     assert_eq!(
         db.scalar_i64("SELECT count(*) FROM issue").await,
         2,
@@ -185,6 +213,8 @@ async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
         (&["claim", "abc"], "invalid value 'abc'"),
         (&["claim", "0"], "positive ids"),
         (&["claim"], "required"),
+        (&["tail", "--issue", "0"], "0 is not in 1.."),
+        (&["tail", "--since=-5"], "-5 is not in 0.."),
         (&["settings", "set", "top_k", "0"], "between 1 and 100"),
         (&["settings", "set", "top_k", "five"], "whole number"),
         (&["settings", "set", "nope", "1"], "unknown setting"),

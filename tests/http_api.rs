@@ -201,7 +201,10 @@ fn bad_inputs(pending: i64, done: i64) -> Vec<Bad> {
         ("show: id 1.5", "GET", show("1.5"), None, None, 400),
         ("show: id past i64", "GET", show("9223372036854775808"), None, None, 400),
         ("show: id percent-encoded -1", "GET", show("%2D1"), None, None, 400),
+        ("show: id not UTF-8", "GET", show("%FF"), None, None, 400),
         ("show: unknown id", "GET", show("987654321"), None, None, 404),
+        ("briefing: id not UTF-8", "GET", "/briefings/%C0%80".into(), None, None, 400),
+        ("briefing: id 0", "GET", "/briefings/0".into(), None, None, 400),
         ("show: trailing segment", "GET", format!("/issues/{pending}/article"), None, None, 404),
         // ---- POST /ai-articles
         ("claim: malformed JSON", "POST", "/ai-articles".into(), JSON, raw(&format!("{{\"issue_ids\": [{pending},")), 400),

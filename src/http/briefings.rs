@@ -2,13 +2,13 @@
 //! issues), `GET /briefings/latest`, `GET /briefings/{id}` and
 //! `GET /pipeline-runs` (the newest runs).
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 
-use super::error::{ApiError, ApiJson};
+use super::error::{ApiError, ApiJson, ApiPath};
 use super::AppState;
 use crate::briefing::{self, AssembleError, Assembled};
 use crate::db::{self, briefing::Briefing, pipeline_run::RunView, DbError};
@@ -60,7 +60,7 @@ pub async fn latest(State(state): State<AppState>) -> Result<Json<Briefing>, Api
     responses((status = 200, body = Briefing), (status = 404, description = "no such briefing")))]
 pub async fn by_id(
     State(state): State<AppState>,
-    Path(raw): Path<String>,
+    ApiPath(raw): ApiPath<String>,
 ) -> Result<Json<Briefing>, ApiError> {
     let id = match raw.parse::<i64>() {
         Ok(id) if id > 0 => id,

@@ -5,7 +5,8 @@
 //! usually over in moments, and the request changed nothing.
 
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -124,6 +125,23 @@ where
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let Json(value) = Json::<T>::from_request(req, state).await?;
         Ok(ApiJson(value))
+    }
+}
+
+/// `Path<T>` whose rejections (e.g. a segment that is not UTF-8) answer in
+/// the API's error shape.
+pub struct ApiPath<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for ApiPath<T>
+where
+    S: Send + Sync,
+    T: DeserializeOwned + Send,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path(value) = Path::<T>::from_request_parts(parts, state).await?;
+        Ok(ApiPath(value))
     }
 }
 

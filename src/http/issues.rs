@@ -1,12 +1,12 @@
 //! `POST /issues` (add issues) and `GET /issues/{id}` (one issue).
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 
-use super::error::{ApiError, ApiJson};
+use super::error::{ApiError, ApiJson, ApiPath};
 use super::AppState;
 use crate::api_types::NewIssueJson;
 use crate::db::issue::{self, IssueView, NewIssue};
@@ -55,7 +55,7 @@ pub(super) fn parse_id(raw: &str) -> Result<i64, ApiError> {
     responses((status = 200, body = IssueView), (status = 404, description = "no such issue")))]
 pub async fn show_issue(
     State(state): State<AppState>,
-    Path(raw): Path<String>,
+    ApiPath(raw): ApiPath<String>,
 ) -> Result<Json<IssueView>, ApiError> {
     let id = parse_id(&raw)?;
     let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
