@@ -645,15 +645,14 @@ fn spawn_on_own_thread<T: Send + 'static>(
 
 /// Waits until the listener has published `seq`.
 async fn until_published(hub: &newsnack::listener::TransitionHub, seq: i64) {
-    let status = hub.status();
-    let mut live = hub.subscribe();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        while status.borrow().last_seq < seq {
-            let _ = live.recv().await;
-        }
-    })
+    let mut status = hub.status();
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        status.wait_for(|s| s.last_seq >= seq),
+    )
     .await
-    .expect("the listener to publish the setup");
+    .expect("the listener to publish the setup")
+    .expect("the listener is running");
 }
 
 /// `VmRSS` of this process, in KiB.

@@ -67,7 +67,8 @@ pub struct ListenerStatus {
     pub backend_pid: Option<i32>,
     /// Sessions lost so far.
     pub reconnects: u64,
-    /// The last `seq` published to subscribers.
+    /// The last `seq` published to subscribers (watchers are woken when it
+    /// moves, after the transitions up to it were sent).
     pub last_seq: i64,
 }
 
@@ -396,10 +397,7 @@ impl Listener {
             let _ = self.events.send(t);
         }
         let seq = self.last_seq;
-        self.status.send_if_modified(|s| {
-            s.last_seq = seq;
-            false
-        });
+        self.status.send_modify(|s| s.last_seq = seq);
     }
 
     fn mark_connected(&self, session: &Session) {

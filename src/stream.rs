@@ -77,8 +77,8 @@ impl TransitionStream {
     /// Like [`TransitionStream::next`], but rides out database outages: a
     /// failed log read is retried with capped backoff (the stream resumes
     /// where it was, so nothing is lost or repeated). Fails only when the
-    /// listener has stopped. For long-lived followers (the retry scheduler,
-    /// the tail).
+    /// listener has stopped. For followers that must not give up on one
+    /// failed read (the retry scheduler, smart waits, the tail). Cancel-safe.
     pub async fn next_through_outages(&mut self) -> Result<Transition, StreamError> {
         let mut backoff = Duration::from_millis(100);
         loop {

@@ -220,7 +220,9 @@ impl ArmedWait {
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Err(WaitError::ShuttingDown),
-                next = self.stream.next() => {
+                // A failed log read (a wait that fell behind) is retried
+                // until the deadline decides on what is known by then.
+                next = self.stream.next_through_outages() => {
                     let t = next?;
                     if let Some(target) = self.targets.get_mut(&t.issue_id) {
                         *target = Target { status: t.to, attempts: t.attempts, fatal: t.fatal };

@@ -242,14 +242,14 @@ async fn insert(sql: &Client, n: i32) -> Vec<i64> {
 
 /// Waits until the listener has published `seq`.
 async fn until_published(hub: &TransitionHub, seq: i64) {
-    let status = hub.status();
-    let mut live = hub.subscribe();
-    within(60, "the listener to publish everything", async {
-        while status.borrow().last_seq < seq {
-            let _ = live.recv().await;
-        }
-    })
+    let mut status = hub.status();
+    within(
+        60,
+        "the listener to publish everything",
+        status.wait_for(|s| s.last_seq >= seq),
+    )
     .await
+    .expect("the listener is running");
 }
 
 /// How many transitions surely overflow what a stalled connection absorbs

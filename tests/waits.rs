@@ -60,6 +60,75 @@ async fn all_pass_the_moment_the_last_target_is_done() {
     stop.cancel();
 }
 
+/// A wait that fell behind reads the log; when that read fails (here the
+/// pool has no connection to give within its timeout), the wait retries
+/// instead of failing, and still sees its targets finish.
+#[tokio::test]
+async fn a_failed_log_read_does_not_end_a_wait() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 3).await;
+    let pool = newsnack::db::pool(
+        db.config.clone(),
+        &newsnack::db::PoolOptions {
+            max_size: 1,
+            wait_timeout: Duration::from_millis(100),
+        },
+    )
+    .unwrap();
+    let stop = CancellationToken::new();
+    let (hub, _task) = newsnack::listener::Listener::start(
+        db.config.clone(),
+        pool.clone(),
+        ListenerOptions {
+            capacity: 8,
+            ..ListenerOptions::default()
+        },
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let armed = ArmedWait::arm(&hub, request(&ids, Duration::from_secs(600), 3))
+        .await
+        .unwrap();
+    // The wait's only way to the log is busy, and more transitions than its
+    // buffer holds go by (the targets finishing among them) before it looks.
+    let busy = pool.get().await.unwrap();
+    sql.batch_execute("INSERT INTO issue (title) SELECT 'filler' FROM generate_series(1, 50)")
+        .await
+        .unwrap();
+    for &id in &ids {
+        set_status(&sql, id, "DONE").await;
+    }
+    let last: i64 = sql
+        .query_one("SELECT max(seq) FROM issue_transition", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut published = hub.status();
+    within(
+        30,
+        "the listener to publish the burst",
+        published.wait_for(|s| s.last_seq >= last),
+    )
+    .await
+    .unwrap();
+    let cancel = CancellationToken::new();
+    let mut waiting = tokio::spawn(async move { armed.outcome(&cancel).await });
+    // Several 100 ms pool timeouts go by: the wait must still be waiting.
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), &mut waiting)
+            .await
+            .is_err(),
+        "the wait ended while the log could not be read"
+    );
+    drop(busy);
+    let report = within(30, "all_pass", waiting).await.unwrap().unwrap();
+    assert_eq!(report.outcome, WaitOutcome::AllPass);
+    assert_eq!(report.completed, ids);
+    stop.cancel();
+}
+
 #[tokio::test]
 async fn at_the_deadline_enough_done_passes_and_too_few_skips() {
     let db = TestDb::new().await;
