@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 
 use crate::db::issue::{self, ClaimOutcome, ClaimScope, ClaimedIssue};
 use crate::db::{DbError, DbPool};
-use crate::group_commit::GroupCommit;
+use crate::group_commit::{each_or_alone, GroupCommit};
 
 /// Requests merged into one transaction at most.
 const MAX_BATCH: usize = 64;
@@ -71,9 +71,8 @@ impl Claimer {
 }
 
 /// Runs a batch: one claim statement (its own transaction) per kind of
-/// request, over the union of their ids, split back by first requester. If a
-/// statement fails, its requests are retried one by one, so one request's
-/// error is never another's.
+/// request, over the union of their ids, split back by first requester (see
+/// [`each_or_alone`] for when a statement fails).
 async fn run_batch(pool: &DbPool, worker: &str, batch: Vec<ClaimRequest>) {
     let mut kinds: Vec<Vec<ClaimRequest>> = Vec::new();
     for request in batch {
@@ -89,21 +88,12 @@ async fn run_batch(pool: &DbPool, worker: &str, batch: Vec<ClaimRequest>) {
 }
 
 async fn run_kind(pool: &DbPool, worker: &str, requests: Vec<ClaimRequest>) {
-    if requests.len() > 1 {
-        match claim_together(pool, worker, &requests).await {
-            Ok(outcomes) => {
-                for (request, outcome) in requests.into_iter().zip(outcomes) {
-                    let _ = request.answer.send(Ok(outcome));
-                }
-                return;
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, size = requests.len(), "batched claim failed; claiming one by one")
-            }
-        }
-    }
-    for request in requests {
-        let result = claim_alone(pool, worker, &request).await;
+    let together = claim_together(pool, worker, &requests).await;
+    let results = each_or_alone(together, requests.len(), |i| {
+        claim_alone(pool, worker, &requests[i])
+    })
+    .await;
+    for (request, result) in requests.into_iter().zip(results) {
         let _ = request.answer.send(result);
     }
 }

@@ -17,6 +17,8 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, Mutex};
 
+use crate::db::DbError;
+
 /// Queues requests of type `R` for a batch function. Cheap to clone; the
 /// lanes stop when every clone is dropped.
 pub struct GroupCommit<R> {
@@ -81,10 +83,85 @@ impl<R: Send + 'static> GroupCommit<R> {
     }
 }
 
+/// What each of a batch's `n` items gets, given what running them together
+/// (one statement, one commit) gave. If that failed, each item is tried on
+/// its own with `alone(i)`, so one item's error is never another's; except
+/// when no connection came in time: then every item gets that answer at
+/// once, since one by one each would wait out the pool's timeout again, and
+/// the lane, with everything queued behind it, with them.
+pub async fn each_or_alone<O, F>(
+    together: Result<Vec<O>, DbError>,
+    n: usize,
+    alone: impl Fn(usize) -> F,
+) -> Vec<Result<O, DbError>>
+where
+    F: Future<Output = Result<O, DbError>>,
+{
+    let e = match together {
+        Ok(outcomes) => return outcomes.into_iter().map(Ok).collect(),
+        Err(e) => e,
+    };
+    if n == 1 {
+        return vec![Err(e)];
+    }
+    if e.is_pool_exhausted() {
+        tracing::warn!(error = %e, size = n, "no connection for a batch");
+        return (0..n).map(|_| Err(e.again())).collect();
+    }
+    tracing::debug!(error = %e, size = n, "batch failed; trying each on its own");
+    let mut results = Vec::with_capacity(n);
+    for i in 0..n {
+        results.push(alone(i).await);
+    }
+    results
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use tokio::sync::oneshot;
+
+    fn pool_timeout() -> DbError {
+        DbError::Pool(deadpool_postgres::PoolError::Timeout(
+            deadpool_postgres::TimeoutType::Wait,
+        ))
+    }
+
+    #[tokio::test]
+    async fn a_failed_batch_is_retried_item_by_item() {
+        let tried = std::sync::Mutex::new(Vec::new());
+        let results = each_or_alone(
+            Err::<Vec<i32>, _>(DbError::Invalid("rejected".into())),
+            3,
+            |i| {
+                tried.lock().unwrap().push(i);
+                async move {
+                    if i == 1 {
+                        Err(DbError::Invalid("this one is bad".into()))
+                    } else {
+                        Ok(i as i32 * 10)
+                    }
+                }
+            },
+        )
+        .await;
+        assert_eq!(*tried.lock().unwrap(), [0, 1, 2]);
+        assert_eq!(results[0].as_ref().ok(), Some(&0));
+        assert!(results[1].is_err());
+        assert_eq!(results[2].as_ref().ok(), Some(&20));
+    }
+
+    #[tokio::test]
+    async fn a_batch_without_a_connection_is_answered_at_once() {
+        let results = each_or_alone(Err::<Vec<i32>, _>(pool_timeout()), 3, |_| async {
+            panic!("no item is tried alone")
+        })
+        .await;
+        assert_eq!(results.len(), 3);
+        assert!(results
+            .iter()
+            .all(|r| r.as_ref().is_err_and(DbError::is_pool_exhausted)));
+    }
 
     #[tokio::test]
     async fn requests_queued_while_a_batch_runs_form_the_next_batch() {

@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::db::issue::{self, ClaimedIssue, Completion, Fenced, RetryPolicy};
 use crate::db::{DbError, DbPool};
-use crate::group_commit::GroupCommit;
+use crate::group_commit::{each_or_alone, GroupCommit};
 use crate::settings::SettingsCache;
 use crate::writer::{IssueText, SharedWriter};
 
@@ -385,27 +385,19 @@ impl Completer {
     }
 }
 
-/// Records a batch in one statement. If it fails, each completion is tried
-/// on its own, so one completion's error is never another's.
+/// Records a batch in one statement (see [`each_or_alone`] for when it
+/// fails).
 async fn record_batch(pool: &DbPool, writer: &str, batch: Vec<PendingCompletion>) {
     let (completions, answers): (Vec<Completion>, Vec<_>) =
         batch.into_iter().map(|p| (p.completion, p.answer)).unzip();
-    match record_together(pool, writer, &completions).await {
-        Ok(outcomes) => {
-            for (answer, fenced) in answers.into_iter().zip(outcomes) {
-                let _ = answer.send(Ok(fenced));
-            }
-        }
-        Err(e) if completions.len() == 1 => {
-            let _ = answers.into_iter().next().map(|a| a.send(Err(e)));
-        }
-        Err(e) => {
-            tracing::debug!(error = %e, size = completions.len(), "batched completion failed; recording one by one");
-            for (completion, answer) in completions.iter().zip(answers) {
-                let alone = record_together(pool, writer, std::slice::from_ref(completion)).await;
-                let _ = answer.send(alone.map(|fenced| fenced[0]));
-            }
-        }
+    let together = record_together(pool, writer, &completions).await;
+    let results = each_or_alone(together, completions.len(), |i| {
+        let one = std::slice::from_ref(&completions[i]);
+        async move { record_together(pool, writer, one).await.map(|f| f[0]) }
+    })
+    .await;
+    for (answer, result) in answers.into_iter().zip(results) {
+        let _ = answer.send(result);
     }
 }
 

@@ -407,3 +407,50 @@ async fn issue_rows_read_by_one_issue_batches(analyse_first: bool) -> (f64, f64)
         common::rows_read(&client, "issue", &complete).await,
     )
 }
+
+/// When the pool gives no connection in time, a batch of claims is answered
+/// at once, every request of it. Retried one by one, each request would wait
+/// out the pool's timeout again, and the lane (and every claim behind it)
+/// with it. Timed on the paused test clock: the waits are the pool's own.
+#[tokio::test]
+async fn a_batch_that_gets_no_connection_is_answered_at_once() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(20).await;
+    let timeout = Duration::from_secs(5);
+    let pool = newsnack::db::pool(
+        db.config.clone(),
+        &newsnack::db::PoolOptions {
+            max_size: 1,
+            wait_timeout: timeout,
+        },
+    )
+    .unwrap();
+    let busy = pool.get().await.unwrap();
+    let claimer = newsnack::claim::Claimer::start(pool.clone(), "starved".into(), 1);
+
+    tokio::time::pause();
+    let started = tokio::time::Instant::now();
+    let answers = futures::future::join_all(
+        ids.iter()
+            .map(|&id| claimer.claim(vec![id], LEASE, ClaimScope::Claimable)),
+    )
+    .await;
+    let waited = started.elapsed();
+    tokio::time::resume();
+
+    for answer in &answers {
+        let e = answer.as_ref().expect_err("no connection, no claim");
+        assert!(e.is_pool_exhausted(), "{e}");
+    }
+    assert!(
+        waited < timeout * 2,
+        "{} requests waited {waited:?} for a pool timeout of {timeout:?}",
+        ids.len()
+    );
+    drop(busy);
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue WHERE processing_status <> 'PENDING'")
+            .await,
+        0
+    );
+}

@@ -56,6 +56,18 @@ impl DbError {
             DbError::Pool(deadpool_postgres::PoolError::Timeout(_))
         )
     }
+
+    /// The same error for another request that shared it (a batch): a pool
+    /// timeout stays a pool timeout (HTTP 503, worth retrying); anything
+    /// else is carried as its message.
+    pub fn again(&self) -> DbError {
+        match self {
+            DbError::Pool(deadpool_postgres::PoolError::Timeout(kind)) => {
+                DbError::Pool(deadpool_postgres::PoolError::Timeout(*kind))
+            }
+            other => DbError::Invalid(other.to_string()),
+        }
+    }
 }
 
 /// Parses a `processing_status` value read from the database; one outside
