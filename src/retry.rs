@@ -29,6 +29,9 @@ use crate::worker::GeneratorHandle;
 
 /// How soon an issue whose retry state could not be read is looked at again.
 const RECHECK_AFTER_ERROR: Duration = Duration::from_secs(5);
+/// The longest pause between searches for failed issues left over from
+/// before this instance started, while they fail.
+const MAX_LEFTOVERS_BACKOFF: Duration = Duration::from_secs(60);
 /// The longest a retry timer is set for at a time.
 const MAX_TIMER: Duration = Duration::from_secs(24 * 60 * 60);
 
@@ -57,14 +60,19 @@ impl RetryScheduler {
             timers: DelayQueue::new(),
             pending: HashMap::new(),
         };
-        // Failures may have happened while no instance was running.
-        if let Err(e) = self.schedule_leftovers(&mut state).await {
-            tracing::warn!(error = %e, "could not look for failed issues to retry");
-        }
+        // Failures may have happened while no instance was running. Until
+        // that search succeeds, it is tried again with backoff.
+        let mut leftovers_backoff = RECHECK_AFTER_ERROR;
+        let mut leftovers_again = self
+            .look_for_leftovers(&mut state, &mut leftovers_backoff)
+            .await;
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return,
+                _ = async { leftovers_again.as_mut().expect("guarded").await }, if leftovers_again.is_some() => {
+                    leftovers_again = self.look_for_leftovers(&mut state, &mut leftovers_backoff).await;
+                }
                 next = stream.next_through_outages() => match next {
                     Ok(t) => self.observe(&mut state, &t).await,
                     Err(e) => {
@@ -81,16 +89,35 @@ impl RetryScheduler {
         }
     }
 
-    async fn schedule_leftovers(&self, state: &mut State) -> Result<(), DbError> {
-        let max = self.settings.get().await?.max_attempts as i32;
-        let client = self.pool.get().await?;
-        let ids = issue::failed_with_attempts_left(&client, max).await?;
-        drop(client);
-        for id in ids {
-            state.machines.insert(id, IssueMachine::at(Status::Failed));
-            self.schedule(state, id).await;
+    /// Schedules the failed issues with attempts left that no transition
+    /// has brought up yet; on an error, returns when to look again.
+    async fn look_for_leftovers(
+        &self,
+        state: &mut State,
+        backoff: &mut Duration,
+    ) -> Option<std::pin::Pin<Box<tokio::time::Sleep>>> {
+        let found = async {
+            let max = self.settings.get().await?.max_attempts as i32;
+            let client = self.pool.get().await?;
+            Ok::<_, DbError>(issue::failed_with_attempts_left(&client, max).await?)
+        };
+        match found.await {
+            Ok(ids) => {
+                for id in ids {
+                    if !state.pending.contains_key(&id) {
+                        state.machines.insert(id, IssueMachine::at(Status::Failed));
+                        self.schedule(state, id).await;
+                    }
+                }
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?*backoff, "cannot look for failed issues to retry; will look again");
+                let again = Box::pin(tokio::time::sleep(*backoff));
+                *backoff = (*backoff * 2).min(MAX_LEFTOVERS_BACKOFF);
+                Some(again)
+            }
         }
-        Ok(())
     }
 
     /// Feeds one transition to its issue's machine and carries out the

@@ -462,3 +462,104 @@ async fn an_outcome_that_cannot_be_recorded_fails_at_once_with_the_reason() {
     .await;
     service.stop().await.unwrap();
 }
+
+/// Failed issues left from before an instance started are retried even when
+/// the first look for them fails: the look is tried again. Here the
+/// service's sessions go through a gate that turns the first connection
+/// away (the database is out of reach at start-up), then lets them through.
+#[tokio::test]
+async fn failures_left_from_before_start_are_retried_after_a_failed_first_look() {
+    use newsnack::claim::Claimer;
+    use newsnack::retry::RetryScheduler;
+    use newsnack::settings::SettingsCache;
+    use newsnack::worker::Generator;
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::sync::watch;
+
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "1").await;
+    let id = db.add_issues(1).await[0];
+    db.move_with_sql(&[id], &["IN_PROGRESS", "FAILED"]).await;
+
+    // The gate: while closed, it hangs up on every connection (and counts
+    // them); once open, it relays to the database.
+    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gate_port = gate.local_addr().unwrap().port();
+    let server = match db.config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(host)) => {
+            format!("{host}:{}", db.config.get_ports()[0])
+        }
+        other => panic!("the test cluster listens on TCP, not {other:?}"),
+    };
+    let (open_tx, open) = watch::channel(false);
+    let (turned_away_tx, mut turned_away) = watch::channel(0u32);
+    tokio::spawn(async move {
+        loop {
+            let (mut inbound, _) = gate.accept().await.unwrap();
+            if !*open.borrow() {
+                drop(inbound);
+                turned_away_tx.send_modify(|n| *n += 1);
+                continue;
+            }
+            let server = server.clone();
+            tokio::spawn(async move {
+                let mut outbound = TcpStream::connect(server).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    let port = db.config.get_ports()[0];
+    let gated_url = db
+        .url
+        .replace(&format!(":{port}/"), &format!(":{gate_port}/"));
+    assert_ne!(gated_url, db.url);
+    let gated = newsnack::db::pg_config(&gated_url, "gated").unwrap();
+    let pool = newsnack::db::pool(gated, &newsnack::db::PoolOptions::default()).unwrap();
+
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (hub, _listener) = newsnack::listener::Listener::start(
+        db.config.clone(),
+        pool.clone(),
+        Default::default(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
+    let (generator, handle) = Generator::new(
+        pool.clone(),
+        Arc::new(OfflineWriter),
+        settings.clone(),
+        hub.settings_changed(),
+        Duration::from_secs(5),
+    );
+    // Nothing else uses the pool until the generator runs.
+    tokio::spawn(
+        RetryScheduler {
+            hub: hub.clone(),
+            pool: pool.clone(),
+            claimer: Claimer::start(pool.clone(), "gated".into(), 1),
+            generator: handle,
+            settings,
+        }
+        .run(stop.clone()),
+    );
+    within(
+        30,
+        "the first look to be turned away",
+        turned_away.wait_for(|n| *n > 0),
+    )
+    .await
+    .unwrap();
+    open_tx.send_replace(true);
+    tokio::spawn(generator.run(stop.clone()));
+    until_status(&db, &hub, 30, id, "DONE").await;
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT attempts::bigint FROM issue WHERE id = {id}"
+        ))
+        .await,
+        2
+    );
+    stop.cancel();
+}
