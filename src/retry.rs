@@ -98,8 +98,8 @@ impl RetryScheduler {
     ) -> Option<std::pin::Pin<Box<tokio::time::Sleep>>> {
         let found = async {
             let max = self.settings.get().await?.max_attempts as i32;
-            let client = self.pool.get().await?;
-            Ok::<_, DbError>(issue::failed_with_attempts_left(&client, max).await?)
+            let client = self.pool.get().await.map_err(DbError::from)?;
+            issue::failed_with_attempts_left(&client, max).await
         };
         match found.await {
             Ok(ids) => {
