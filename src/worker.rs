@@ -244,7 +244,7 @@ async fn generate(
         Ok(s) => s.lease(),
         Err(_) => Duration::from_secs(60),
     };
-    let work = async {
+    let written = async {
         let slot = slots
             .acquire()
             .await
@@ -258,10 +258,14 @@ async fn generate(
             result.as_ref().err().map(|e| e.kind().as_str()),
         );
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
-        record(&pool, &completer, &claimed, result).await
+        result
     };
+    // The heartbeat keeps the lease while the writer works, and stops once
+    // it has answered: the outcome is then recorded (fenced by the claim),
+    // and a beat meeting that commit cannot report it as a lost claim.
     let outcome = tokio::select! {
-        outcome = work => outcome,
+        biased;
+        result = written => record(&pool, &completer, &claimed, result).await,
         lost = heartbeat_until_lost(&pool, &claimed, lease) => lost,
     };
     match outcome {
@@ -411,25 +415,30 @@ async fn record_together(
 }
 
 /// Extends the lease every third of its length; returns when the claim is
-/// no longer current. Database hiccups are retried until the lease would
-/// have run out anyway.
+/// no longer current. A failed beat (a database hiccup) is tried again
+/// soon, from a quarter of a second doubling up to the usual interval, so a
+/// short outage does not let a healthy generation's lease run out.
 async fn heartbeat_until_lost(
     pool: &DbPool,
     claimed: &ClaimedIssue,
     lease: Duration,
 ) -> Result<Generated, DbError> {
     let every = (lease / 3).max(Duration::from_millis(100));
+    let first_retry = Duration::from_millis(250).min(every);
+    let (mut next, mut retry) = (every, first_retry);
     loop {
-        tokio::time::sleep(every).await;
+        tokio::time::sleep(next).await;
         let beat = async {
             let client = pool.get().await?;
             issue::heartbeat(&client, claimed.id, claimed.claim_id, lease).await
         };
         match beat.await {
-            Ok(true) => {}
+            Ok(true) => (next, retry) = (every, first_retry),
             Ok(false) => return Ok(Generated::ClaimLost),
             Err(e) => {
-                tracing::warn!(issue = claimed.id, error = %e, "heartbeat failed; will try again")
+                tracing::warn!(issue = claimed.id, error = %e, retry_in = ?retry, "heartbeat failed; will try again");
+                next = retry;
+                retry = (retry * 2).min(every);
             }
         }
     }
