@@ -183,7 +183,7 @@ impl Pipeline {
             .claim(targets.clone(), settings.lease(), ClaimScope::Claimable)
             .await?;
         record.claimed = claimed.claimed_ids();
-        self.generator.submit(claimed.claimed);
+        self.generator.submit(claimed.claimed).await;
 
         let request = WaitRequest {
             issue_ids: targets.clone(),

@@ -240,7 +240,7 @@ impl RetryScheduler {
                     attempt = outcome.claimed[0].attempts,
                     "retrying"
                 );
-                self.generator.submit(outcome.claimed);
+                self.generator.submit(outcome.claimed).await;
             }
             Ok(_) => {
                 tracing::debug!(

@@ -54,9 +54,10 @@ pub struct GeneratorHandle {
 impl GeneratorHandle {
     /// Queues claimed issues for generation. Issues handed in after the
     /// generator stopped taking work (a claim that committed while shutdown
-    /// began) are released as `FAILED` with reason `shutdown` at once, so
-    /// they do not wait out their lease.
-    pub fn submit(&self, issues: Vec<ClaimedIssue>) {
+    /// began) are released as `FAILED` with reason `shutdown` before this
+    /// returns (while the pool is still open), so they do not wait out
+    /// their lease.
+    pub async fn submit(&self, issues: Vec<ClaimedIssue>) {
         let mut refused = Vec::new();
         for issue in issues {
             if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
@@ -64,7 +65,7 @@ impl GeneratorHandle {
             }
         }
         if !refused.is_empty() {
-            tokio::spawn(release_as_shutdown(self.pool.clone(), refused));
+            release_as_shutdown(self.pool.clone(), refused).await;
         }
     }
 }

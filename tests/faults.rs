@@ -992,7 +992,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
         )
         .await
         .unwrap();
-    core.generator.submit(claimed.claimed);
+    core.generator.submit(claimed.claimed).await;
     // Another system claims the other two and dies.
     db.raw()
         .await

@@ -563,3 +563,52 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
     );
     stop.cancel();
 }
+
+/// Graceful shutdown: generations still running when the grace period ends
+/// are released as `FAILED` with reason `shutdown` (attempt kept, retryable),
+/// so another instance retries them at once instead of after their lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_releases_unfinished_generations_as_failed() {
+    /// A writer that never answers.
+    struct Hangs;
+    impl writer::Writer for Hangs {
+        fn name(&self) -> &str {
+            "hangs"
+        }
+        fn write<'a>(
+            &'a self,
+            _: writer::IssueText<'a>,
+        ) -> futures::future::BoxFuture<'a, Result<writer::Article, writer::WriteError>> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    let db = TestDb::new().await;
+    db.set("lease_s", "600").await;
+    let ids = db.add_issues(3).await;
+    let service = db.serve("stopping", Arc::new(Hangs)).await;
+    let (status, body) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
+    assert_eq!(status, 202, "{body}");
+    within(30, "a clean stop after the grace period", service.stop())
+        .await
+        .unwrap();
+    let client = db.pool.get().await.unwrap();
+    for &id in &ids {
+        let row = client
+            .query_one(
+                "SELECT processing_status, last_error, attempts FROM issue WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (
+                row.get::<_, String>(0),
+                row.get::<_, Option<String>>(1),
+                row.get::<_, i32>(2)
+            ),
+            ("FAILED".into(), Some("shutdown".into()), 1),
+            "issue {id}"
+        );
+    }
+}

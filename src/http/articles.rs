@@ -58,7 +58,7 @@ pub async fn request_articles(
                 .claim(open, settings.lease(), ClaimScope::Claimable)
                 .await?;
             let ids = outcome.claimed_ids();
-            generator.submit(std::mem::take(&mut outcome.claimed));
+            generator.submit(std::mem::take(&mut outcome.claimed)).await;
             Ok::<_, crate::db::DbError>((ids, outcome))
         })
         .await
