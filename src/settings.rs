@@ -76,13 +76,14 @@ impl Settings {
     }
 
     /// The delay before retry number `attempts` (1-based attempts so far):
-    /// exponential from `retry_backoff_ms`, capped, with ±50% jitter.
+    /// exponential from `retry_backoff_ms` with ±50% jitter, never above
+    /// `retry_backoff_max_ms` (at the cap, between half of it and all of it).
     pub fn retry_delay(&self, attempts: i32) -> Duration {
         let base = self.retry_backoff_ms.max(1) as f64;
         let cap = self.retry_backoff_max_ms.max(1) as f64;
         let exponent = (attempts.max(1) - 1).min(30);
         let ms = (base * 2f64.powi(exponent)).min(cap);
-        let jittered = ms * rand::random_range(0.5..1.5);
+        let jittered = rand::random_range(ms * 0.5..=(ms * 1.5).min(cap));
         Duration::from_millis(jittered.round() as u64)
     }
 
@@ -137,6 +138,26 @@ impl SettingsCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_delays_grow_with_jitter_and_never_pass_the_cap() {
+        let s = Settings {
+            retry_backoff_ms: 1000,
+            retry_backoff_max_ms: 5000,
+            ..Settings::default()
+        };
+        for _ in 0..1000 {
+            let first = s.retry_delay(1);
+            assert!(first >= Duration::from_millis(500) && first <= Duration::from_millis(1500));
+            for attempts in [4, 5, 30, i32::MAX] {
+                let late = s.retry_delay(attempts);
+                assert!(
+                    late >= Duration::from_millis(2500) && late <= Duration::from_millis(5000),
+                    "{attempts}: {late:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn missing_and_unreadable_values_fall_back_to_defaults() {

@@ -11,6 +11,7 @@ use fake_llm::{FakeLlm, Reply};
 use newsnack::writer::{
     self, Article, IssueText, SharedWriter, WriteError, WriteErrorKind, WriterConfig,
 };
+use serde_json::json;
 
 const TITLE: &str = "Council approves budget";
 const BODY: &str = "The city council approved the 2025 budget on Monday. The vote was 7 to 2.";
@@ -197,6 +198,84 @@ async fn a_completion_without_content_is_fatal() {
     let err = write_error(&client(&fake.url)).await;
     assert_eq!(err.kind(), WriteErrorKind::Malformed);
     assert!(err.to_string().contains("malformed response"), "{err}");
+}
+
+#[tokio::test]
+async fn an_answer_cut_off_or_filtered_is_fatal_not_an_article() {
+    for finish in ["length", "content_filter"] {
+        let body = json!({ "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": "Markets rally\n\nStocks rose and" },
+            "finish_reason": finish,
+        }]})
+        .to_string();
+        let fake = FakeLlm::start(move |_, _| Reply::Custom {
+            status: 200,
+            retry_after: None,
+            body: body.clone(),
+        })
+        .await;
+        let err = write_error(&client(&fake.url)).await;
+        assert!(!err.is_retryable(), "{err}");
+        assert_eq!(err.kind(), WriteErrorKind::Incomplete);
+        assert!(err.to_string().contains(finish), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn an_error_relayed_with_200_is_retryable_when_it_says_so() {
+    let cases = [
+        (
+            json!({ "error": { "code": 429, "message": "slow down" } }),
+            Some(WriteErrorKind::RateLimited),
+        ),
+        (
+            json!({ "error": { "code": "503", "message": "upstream down" } }),
+            Some(WriteErrorKind::ServerError),
+        ),
+        (
+            json!({ "error": { "type": "rate_limit_exceeded", "message": "quota" } }),
+            Some(WriteErrorKind::RateLimited),
+        ),
+        (
+            json!({ "error": { "type": "invalid_request_error", "message": "bad model" } }),
+            None,
+        ),
+    ];
+    for (body, retryable_as) in cases {
+        let text = body.to_string();
+        let fake = FakeLlm::start(move |_, _| Reply::Custom {
+            status: 200,
+            retry_after: None,
+            body: text.clone(),
+        })
+        .await;
+        let err = write_error(&client(&fake.url)).await;
+        match retryable_as {
+            Some(kind) => {
+                assert!(err.is_retryable(), "{body}: {err}");
+                assert_eq!(err.kind(), kind, "{body}");
+            }
+            None => {
+                assert!(!err.is_retryable(), "{body}: {err}");
+                assert_eq!(err.kind(), WriteErrorKind::Malformed, "{body}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn json_cut_short_is_a_retryable_transport_error() {
+    let fake = FakeLlm::start(|_, _| Reply::Custom {
+        status: 200,
+        retry_after: None,
+        body: r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"Markets ra"#
+            .into(),
+    })
+    .await;
+    let err = write_error(&client(&fake.url)).await;
+    assert!(err.is_retryable(), "{err}");
+    assert_eq!(err.kind(), WriteErrorKind::Transport);
 }
 
 #[tokio::test]

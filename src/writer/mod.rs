@@ -82,6 +82,9 @@ pub enum WriteErrorKind {
     Malformed,
     /// A 2xx answer without any text to use.
     Empty,
+    /// A 2xx answer cut off at the token limit or withheld by a content
+    /// filter (`finish_reason` `length` or `content_filter`).
+    Incomplete,
 }
 
 impl WriteErrorKind {
@@ -96,6 +99,7 @@ impl WriteErrorKind {
             WriteErrorKind::BadRequest => "bad_request",
             WriteErrorKind::Malformed => "malformed",
             WriteErrorKind::Empty => "empty",
+            WriteErrorKind::Incomplete => "incomplete",
         }
     }
 }

@@ -345,7 +345,9 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
 /// now; at most [`MAX_RETRY_AFTER`].
 pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
     let value = value.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        // Too many digits for a u64 is still "a very long time".
+        let seconds = value.parse::<u64>().unwrap_or(u64::MAX);
         return Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER));
     }
     let format = time::macros::format_description!(
@@ -369,15 +371,32 @@ fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteErr
             format!("malformed response: {what}"),
         )
     };
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|err| malformed(format!("not JSON ({err}): {:?}", snippet(body, secret))))?;
+    let value: Value = serde_json::from_slice(body).map_err(|err| {
+        if err.classify() == serde_json::error::Category::Eof {
+            // JSON cut short: the connection ended early without a framing
+            // error. A network fault, not the model's answer.
+            WriteError::retryable(
+                WriteErrorKind::Transport,
+                format!("the response was cut short ({err})"),
+                None,
+            )
+        } else {
+            malformed(format!("not JSON ({err}): {:?}", snippet(body, secret)))
+        }
+    })?;
     let Some(choices) = value.get("choices") else {
         return Err(
             match value.pointer("/error/message").and_then(Value::as_str) {
-                Some(message) => malformed(format!(
-                    "no choices, error: {}",
-                    snippet(message.as_bytes(), secret)
-                )),
+                Some(message) => {
+                    let what =
+                        format!("no choices, error: {}", snippet(message.as_bytes(), secret));
+                    // Gateways relay an upstream's rate limit or outage this way,
+                    // with HTTP 200.
+                    match error_in_body_kind(&value) {
+                        Some(kind) => WriteError::retryable(kind, what, None),
+                        None => malformed(what),
+                    }
+                }
                 None => malformed("no choices".to_string()),
             },
         );
@@ -408,14 +427,50 @@ fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteErr
             ))
         }
     };
+    let finish = first.get("finish_reason").and_then(Value::as_str);
     if text.trim().is_empty() {
-        let reason = match first.get("finish_reason").and_then(Value::as_str) {
+        let reason = match finish {
             Some(finish) => format!("empty content (finish_reason: {finish})"),
             None => "empty content".to_string(),
         };
         return Err(WriteError::fatal(WriteErrorKind::Empty, reason));
     }
+    // A reply cut off at the token limit, or withheld by a filter, is not
+    // an article; stored, it could never be replaced (one per issue).
+    if let Some(finish) = finish
+        .filter(|f| f.eq_ignore_ascii_case("length") || f.eq_ignore_ascii_case("content_filter"))
+    {
+        return Err(WriteError::fatal(
+            WriteErrorKind::Incomplete,
+            format!("incomplete answer (finish_reason: {finish})"),
+        ));
+    }
     Ok(text)
+}
+
+/// For an error object in a 200 answer: the retryable kind its code or type
+/// names (a rate limit, a server error, a timeout), if any.
+fn error_in_body_kind(value: &Value) -> Option<WriteErrorKind> {
+    let code = value.pointer("/error/code");
+    let status = code
+        .and_then(|c| c.as_u64().or_else(|| c.as_str()?.parse().ok()))
+        .unwrap_or(0);
+    let named = |word: &str| {
+        [code, value.pointer("/error/type")]
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .any(|text| text.to_ascii_lowercase().contains(word))
+    };
+    if status == 429 || named("rate_limit") {
+        Some(WriteErrorKind::RateLimited)
+    } else if (500..600).contains(&status) || named("server_error") || named("overloaded") {
+        Some(WriteErrorKind::ServerError)
+    } else if status == 408 || named("timeout") {
+        Some(WriteErrorKind::Timeout)
+    } else {
+        None
+    }
 }
 
 /// Turns the model's text into an article: the first line is the headline,
@@ -423,7 +478,7 @@ fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteErr
 /// `Headline:` labels; with a single paragraph and no marked headline the
 /// issue's title becomes the headline. `None` when there is no text.
 pub fn parse_article(content: &str, issue_title: &str) -> Option<Article> {
-    let paragraphs = paragraphs(content);
+    let paragraphs = paragraphs(without_reasoning(content));
     let first = paragraphs.first()?;
     let marked = looks_marked(first[0]);
     let (headline, body) = if (paragraphs.len() >= 2 || (marked && first.len() >= 2))
@@ -463,6 +518,20 @@ pub fn parse_article(content: &str, issue_title: &str) -> Option<Article> {
         headline
     };
     Some(Article { headline, body })
+}
+
+/// The text after a leading `<think>…</think>` block, which reasoning
+/// models served without a reasoning parser put before their answer; an
+/// unclosed block (the answer never came) leaves nothing.
+fn without_reasoning(content: &str) -> &str {
+    let trimmed = content.trim_start();
+    if !trimmed.starts_with("<think>") {
+        return content;
+    }
+    match trimmed.find("</think>") {
+        Some(end) => &trimmed[end + "</think>".len()..],
+        None => "",
+    }
 }
 
 /// Non-blank trimmed lines, grouped by blank lines; code fences dropped.
@@ -634,6 +703,24 @@ mod tests {
     }
 
     #[test]
+    fn a_leading_reasoning_block_is_not_the_article() {
+        assert_eq!(
+            parsed("<think>\nThe user wants a headline.\n\nOk.\n</think>\n\nMarkets rally\n\nStocks rose."),
+            article("Markets rally", "Stocks rose.")
+        );
+        // Reasoning that never ended left no answer.
+        assert_eq!(
+            parse_article("<think>\nStill thinking\n\nabout it", "t"),
+            None
+        );
+        // Only a leading block is reasoning.
+        assert_eq!(
+            parsed("Markets rally\n\nA <think> tag in the text.").body,
+            "A <think> tag in the text."
+        );
+    }
+
+    #[test]
     fn headline_marks_and_labels_are_stripped() {
         for content in [
             "# Markets rally\n\nStocks rose.",
@@ -777,6 +864,11 @@ mod tests {
         assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
         // Far-off answers wait a day at most.
         assert_eq!(parse_retry_after("100000000", now), Some(MAX_RETRY_AFTER));
+        assert_eq!(
+            parse_retry_after("99999999999999999999999", now),
+            Some(MAX_RETRY_AFTER),
+            "too many digits for a u64 is still a long time"
+        );
         assert_eq!(
             parse_retry_after("Fri, 01 Jan 2100 00:00:00 GMT", now),
             Some(MAX_RETRY_AFTER)
