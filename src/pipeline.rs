@@ -167,9 +167,23 @@ impl Pipeline {
         record: &mut RunRecord,
     ) -> Result<bool, PipelineError> {
         let client = self.pool.get().await.map_err(DbError::from)?;
-        let targets =
-            pipeline_run::select_targets(&client, settings.top_k, settings.lookback_hours).await?;
+        let candidates = pipeline_run::select_targets(
+            &client,
+            settings.top_k,
+            settings.lookback_hours,
+            settings.max_attempts,
+        )
+        .await?;
         drop(client);
+        let targets: Vec<i64> = candidates.iter().map(|&(id, _)| id).collect();
+        // New issues are claimed here; failed ones with attempts left are
+        // the retry schedulers' (after their backoff or Retry-After), and
+        // the wait covers them all the same.
+        let pending: Vec<i64> = candidates
+            .iter()
+            .filter(|&&(_, pending)| pending)
+            .map(|&(id, _)| id)
+            .collect();
         tracing::info!(run_id, ?targets, "pipeline run started");
         record.targets = targets.clone();
         if targets.is_empty() {
@@ -178,12 +192,14 @@ impl Pipeline {
             return Ok(false);
         }
 
-        let claimed = self
-            .claimer
-            .claim(targets.clone(), settings.lease(), ClaimScope::Claimable)
-            .await?;
-        record.claimed = claimed.claimed_ids();
-        self.generator.submit(claimed.claimed).await;
+        if !pending.is_empty() {
+            let claimed = self
+                .claimer
+                .claim(pending, settings.lease(), ClaimScope::Claimable)
+                .await?;
+            record.claimed = claimed.claimed_ids();
+            self.generator.submit(claimed.claimed).await;
+        }
 
         let request = WaitRequest {
             issue_ids: targets.clone(),

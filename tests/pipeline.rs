@@ -63,6 +63,64 @@ async fn scored_issues(db: &TestDb, scores: &[f64]) -> Vec<i64> {
     ids
 }
 
+/// Issues `FAILED` for good (fatal, or out of attempts) are not the
+/// pipeline's to retry: they stay as they are until an operator resets
+/// them. One with attempts left is a target, retried by the retry scheduler
+/// (not claimed early by the run), and the wait covers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_leaves_issues_failed_for_good_alone() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "1").await;
+    let ids = scored_issues(&db, &[1.0, 9.0, 8.0, 7.0]).await;
+    let (fatal, exhausted, retryable) = (ids[1], ids[2], ids[3]);
+    db.move_with_sql(&[fatal, retryable], &["IN_PROGRESS", "FAILED"])
+        .await;
+    db.move_with_sql(
+        &[exhausted],
+        &[
+            "IN_PROGRESS",
+            "FAILED",
+            "IN_PROGRESS",
+            "FAILED",
+            "IN_PROGRESS",
+            "FAILED",
+        ],
+    )
+    .await;
+    let sql = db.raw().await;
+    sql.execute(
+        "UPDATE issue SET retry_not_before = 'infinity' WHERE id = $1",
+        &[&fatal],
+    )
+    .await
+    .unwrap();
+
+    let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], None));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], "all_pass");
+    assert_eq!(summary["targets"], serde_json::json!([retryable, ids[0]]));
+    assert_eq!(summary["completed"], serde_json::json!([retryable, ids[0]]));
+    for (id, attempts) in [(fatal, 1), (exhausted, 3)] {
+        let row = sql
+            .query_one(
+                "SELECT processing_status, attempts FROM issue WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (row.get::<_, String>(0), row.get::<_, i32>(1)),
+            ("FAILED".to_string(), attempts),
+            "issue {id} is left alone"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_selects_the_hottest_generates_waits_and_publishes_a_briefing() {
     let db = TestDb::new().await;

@@ -154,23 +154,32 @@ pub async fn recent(client: &impl GenericClient, limit: i64) -> Result<Vec<RunVi
 }
 
 /// The pipeline's candidates: the `top_k` hottest issues collected within
-/// `lookback_hours` that are not `DONE`, hottest first.
+/// `lookback_hours` that are not `DONE`, and not `FAILED` for good (a fatal
+/// failure, or `max_attempts` used up: those stay `FAILED` until an
+/// operator resets them), hottest first. For each, whether it is `PENDING`.
 pub async fn select_targets(
     client: &impl GenericClient,
     top_k: i64,
     lookback_hours: i64,
-) -> Result<Vec<i64>, DbError> {
+    max_attempts: i64,
+) -> Result<Vec<(i64, bool)>, DbError> {
     Ok(client
         .query(
-            "SELECT id FROM issue
+            "SELECT id, processing_status = 'PENDING' FROM issue
               WHERE collected_at >= now() - make_interval(hours => $2::integer)
                 AND processing_status <> 'DONE'
+                AND NOT (processing_status = 'FAILED'
+                         AND (retry_not_before IS NOT DISTINCT FROM 'infinity' OR attempts >= $3::integer))
               ORDER BY score DESC, id
               LIMIT $1",
-            &[&top_k, &(lookback_hours as i32)],
+            &[
+                &top_k,
+                &(lookback_hours as i32),
+                &(max_attempts.min(i32::MAX as i64) as i32),
+            ],
         )
         .await?
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| (r.get(0), r.get(1)))
         .collect())
 }
