@@ -15,6 +15,10 @@
   const REFRESH_DEBOUNCE_MS = 300;
   const REFRESH_MAX_WAIT_MS = 2000;
   const POLL_WHILE_DOWN_MS = 10000;
+  // A pipeline run can end, and a briefing appear, without any transition
+  // (a run that ends at its deadline): while live, those panels are read
+  // again this often too.
+  const REFRESH_WHILE_LIVE_MS = 30000;
   const RECONNECT_MS = 3000;
 
   const state = {
@@ -477,6 +481,9 @@
     setInterval(() => {
       if (state.live !== "live") scheduleRefresh();
     }, POLL_WHILE_DOWN_MS);
+    setInterval(() => {
+      if (state.live === "live") scheduleRefresh();
+    }, REFRESH_WHILE_LIVE_MS);
   }
 
   start();
