@@ -540,8 +540,17 @@ async fn run_pipeline(url: &str) -> Result<ExitCode, CliError> {
                     "targets": summary.targets,
                     "completed": summary.completed,
                     "briefing_id": summary.briefing_id,
+                    "error": summary.error,
                 })
             );
+            if matches!(summary.outcome.as_str(), "error" | "abandoned") {
+                eprintln!(
+                    "newsnack: the run ended as {}: {}",
+                    summary.outcome,
+                    summary.error.as_deref().unwrap_or("no reason recorded")
+                );
+                return Ok(ExitCode::FAILURE);
+            }
             Ok(if summary.briefing_id.is_some() {
                 ExitCode::SUCCESS
             } else {

@@ -52,6 +52,9 @@ pub struct RunSummary {
     pub targets: Vec<i64>,
     pub completed: Vec<i64>,
     pub briefing_id: Option<i64>,
+    /// Why a run ended without a briefing, when it says (e.g. "no candidate
+    /// issues", or the error of an `error` run).
+    pub error: Option<String>,
 }
 
 /// Why a run could not happen.
@@ -282,6 +285,7 @@ impl Pipeline {
             targets: record.targets,
             completed: record.completed,
             briefing_id: record.briefing_id,
+            error: record.error,
         }))
     }
 

@@ -32,7 +32,8 @@ fn newsnack_at(url: &str, args: &[&str], llm: Option<&str>) -> Output {
     command.output().unwrap()
 }
 
-/// Asserts that `run-pipeline` ended with `outcome` and no briefing (exit 3).
+/// Asserts that `run-pipeline` ended with `outcome` and no briefing (exit 3:
+/// a skip, not a failure).
 fn assert_no_briefing(out: &Output, outcome: &str) {
     assert_eq!(
         out.status.code(),
@@ -499,7 +500,16 @@ async fn a_run_whose_lock_another_session_took_stops_at_once_and_publishes_nothi
     end_the_lock_session(&other, true).await;
 
     let out = finished(child).await;
-    assert_no_briefing(&out, "error");
+    // A run that failed is a failure (exit 1, why on stderr), not a skip.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the run ended as error: the pipeline lock was lost"),
+        "{stderr}"
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], "error");
+    assert_eq!(summary["briefing_id"], serde_json::Value::Null);
     let run = other
         .query_one(
             "SELECT outcome, error, briefing_id, finished_at IS NOT NULL FROM pipeline_run",
