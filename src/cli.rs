@@ -243,6 +243,11 @@ async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliErro
         api_token: args.api_token.filter(|t| !t.trim().is_empty()),
     };
     let embedded = options.database_url.is_none();
+    // Watched before start-up (which may start a throwaway cluster): a
+    // signal meanwhile stops the service as soon as it is up, so the
+    // cluster is still stopped and deleted.
+    let signalled = CancellationToken::new();
+    crate::shutdown::cancel_on_signal(signalled.clone());
     let service = crate::serve::start(options, writer).await?;
     if embedded {
         println!(
@@ -251,7 +256,11 @@ async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliErro
         );
     }
     println!("newsnack serving on http://{}", service.addr);
-    crate::shutdown::cancel_on_signal(service.shutdown_token());
+    let stop = service.shutdown_token();
+    tokio::spawn(async move {
+        signalled.cancelled().await;
+        stop.cancel();
+    });
     service.wait().await?;
     Ok(ExitCode::SUCCESS)
 }

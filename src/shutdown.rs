@@ -5,21 +5,24 @@ use tokio_util::sync::CancellationToken;
 
 /// Cancels `token` on the first SIGINT or SIGTERM.
 pub fn cancel_on_signal(token: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Installed here, before this returns, so a signal that comes at once
+    // (say, while a cluster starts) is caught rather than fatal.
+    let (interrupt, terminate) = match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(i), Ok(t)) => (i, t),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!(error = %e, "cannot watch SIGINT and SIGTERM; the default handlers stay");
+            return;
+        }
+    };
+    let (mut interrupt, mut terminate) = (interrupt, terminate);
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(
-            tokio::signal::unix::SignalKind::terminate(),
-        ) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops this process");
-                let _ = tokio::signal::ctrl_c().await;
-                token.cancel();
-                return;
-            }
-        };
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
             _ = token.cancelled() => return,
         }
         tracing::info!("shutdown requested");

@@ -73,14 +73,26 @@ pub async fn run() -> Result<(), DemoError> {
     } else {
         TailStyle::Plain
     };
+    // Watched from the start: a Ctrl-C while the cluster starts must still
+    // let it be stopped and deleted.
+    let shutdown = CancellationToken::new();
+    crate::shutdown::cancel_on_signal(shutdown.clone());
     say(
         out,
         "newsnack demo: starting a throwaway PostgreSQL (nothing to configure)…",
     );
     let (url, cluster) = serve::database(None).await?;
+    if shutdown.is_cancelled() {
+        tokio::task::spawn_blocking(move || drop(cluster))
+            .await
+            .ok();
+        say(
+            out,
+            "Interrupted: the throwaway database is stopped and deleted.",
+        );
+        return Ok(());
+    }
     say(out, &format!("  database: {url}"));
-    let shutdown = CancellationToken::new();
-    crate::shutdown::cancel_on_signal(shutdown.clone());
 
     // Load the samples first, so the writer knows which ids to trip up.
     let config = db::pg_config(&url, "newsnack-demo")?;
