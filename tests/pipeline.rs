@@ -1,7 +1,7 @@
 //! The daily pipeline: a run from selection to briefing, a skip that
 //! publishes nothing, assembly from exactly the given ids, settings changed
 //! by SQL taking effect on the next scheduled run, and two schedulers that
-//! run each tick exactly once, surviving the loss of one; a run that loses
+//! run each tick once, surviving the loss of one; a run that loses
 //! its lock, or was taken over, publishes nothing; a run whose last commit
 //! lands but whose answer is lost reports what it recorded.
 
