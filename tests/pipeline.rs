@@ -95,6 +95,14 @@ async fn a_run_leaves_issues_failed_for_good_alone() {
     )
     .await
     .unwrap();
+    // Its retry is due only once the run has selected its targets (else the
+    // run's own retry scheduler may have finished it before the selection).
+    sql.execute(
+        "UPDATE issue SET retry_not_before = now() + interval '5 seconds' WHERE id = $1",
+        &[&retryable],
+    )
+    .await
+    .unwrap();
 
     let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], None));
     assert!(
