@@ -46,6 +46,17 @@ fn assert_no_briefing(out: &Output, outcome: &str) {
     assert_eq!(summary["briefing_id"], serde_json::Value::Null);
 }
 
+/// Runs `run-pipeline` (offline writer), asserts it published; its summary.
+fn published_run(db: &TestDb) -> serde_json::Value {
+    let out = tokio::task::block_in_place(|| newsnack(db, &["run-pipeline"], None));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// Adds issues titled by their score, hottest last.
 async fn scored_issues(db: &TestDb, scores: &[f64]) -> Vec<i64> {
     let sql = db.raw().await;
@@ -104,13 +115,7 @@ async fn a_run_leaves_issues_failed_for_good_alone() {
     .await
     .unwrap();
 
-    let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], None));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let summary = published_run(&db);
     assert_eq!(summary["outcome"], "all_pass");
     assert_eq!(summary["targets"], serde_json::json!([retryable, ids[0]]));
     assert_eq!(summary["completed"], serde_json::json!([retryable, ids[0]]));
@@ -143,13 +148,7 @@ async fn a_run_selects_the_hottest_generates_waits_and_publishes_a_briefing() {
         )
         .await
         .unwrap();
-    let out = tokio::task::block_in_place(|| newsnack(&db, &["run-pipeline"], None));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let summary = published_run(&db);
     let hottest = vec![ids[1], ids[5], ids[3], ids[4], ids[2]];
     assert_eq!(summary["outcome"], "all_pass");
     assert_eq!(summary["targets"], serde_json::json!(hottest));
