@@ -49,6 +49,17 @@ async fn write(writer: &SharedWriter) -> Result<Article, WriteError> {
     within(20, "the writer", writer.write(issue())).await
 }
 
+/// The error a write gets when the server answers 200 with `body`.
+async fn error_for_answer(body: String) -> WriteError {
+    let fake = FakeLlm::start(move |_, _| Reply::Custom {
+        status: 200,
+        retry_after: None,
+        body: body.clone(),
+    })
+    .await;
+    write_error(&client(&fake.url)).await
+}
+
 async fn write_error(writer: &SharedWriter) -> WriteError {
     write(writer).await.expect_err("the write should fail")
 }
@@ -209,13 +220,7 @@ async fn an_answer_cut_off_or_filtered_is_fatal_not_an_article() {
             "finish_reason": finish,
         }]})
         .to_string();
-        let fake = FakeLlm::start(move |_, _| Reply::Custom {
-            status: 200,
-            retry_after: None,
-            body: body.clone(),
-        })
-        .await;
-        let err = write_error(&client(&fake.url)).await;
+        let err = error_for_answer(body).await;
         assert!(!err.is_retryable(), "{err}");
         assert_eq!(err.kind(), WriteErrorKind::Incomplete);
         assert!(err.to_string().contains(finish), "{err}");
@@ -243,14 +248,7 @@ async fn an_error_relayed_with_200_is_retryable_when_it_says_so() {
         ),
     ];
     for (body, retryable_as) in cases {
-        let text = body.to_string();
-        let fake = FakeLlm::start(move |_, _| Reply::Custom {
-            status: 200,
-            retry_after: None,
-            body: text.clone(),
-        })
-        .await;
-        let err = write_error(&client(&fake.url)).await;
+        let err = error_for_answer(body.to_string()).await;
         match retryable_as {
             Some(kind) => {
                 assert!(err.is_retryable(), "{body}: {err}");
@@ -266,14 +264,8 @@ async fn an_error_relayed_with_200_is_retryable_when_it_says_so() {
 
 #[tokio::test]
 async fn json_cut_short_is_a_retryable_transport_error() {
-    let fake = FakeLlm::start(|_, _| Reply::Custom {
-        status: 200,
-        retry_after: None,
-        body: r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"Markets ra"#
-            .into(),
-    })
-    .await;
-    let err = write_error(&client(&fake.url)).await;
+    let cut_short = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"Markets ra"#;
+    let err = error_for_answer(cut_short.into()).await;
     assert!(err.is_retryable(), "{err}");
     assert_eq!(err.kind(), WriteErrorKind::Transport);
 }
