@@ -83,9 +83,7 @@ pub async fn run() -> Result<(), DemoError> {
     );
     let (url, cluster) = serve::database(None).await?;
     if shutdown.is_cancelled() {
-        tokio::task::spawn_blocking(move || drop(cluster))
-            .await
-            .ok();
+        remove(cluster).await;
         say(
             out,
             "Interrupted: the throwaway database is stopped and deleted.",
@@ -192,16 +190,19 @@ pub async fn run() -> Result<(), DemoError> {
     }
     shutdown.cancel();
     core.stopped().await;
-    if let Some(cluster) = cluster {
-        tokio::task::spawn_blocking(move || drop(cluster))
-            .await
-            .ok();
-    }
+    remove(cluster).await;
     say(
         out,
         "\nDone: the throwaway database is stopped and deleted.",
     );
     Ok(())
+}
+
+/// Stops and deletes the throwaway cluster (blocking work, off the runtime).
+async fn remove(cluster: Option<crate::embedded::EmbeddedPostgres>) {
+    tokio::task::spawn_blocking(move || drop(cluster))
+        .await
+        .ok();
 }
 
 fn say(out: &mut impl Write, line: &str) {
