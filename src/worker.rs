@@ -245,7 +245,8 @@ async fn generate(
         Ok(s) => s.lease(),
         Err(_) => Duration::from_secs(60),
     };
-    let written = async {
+    let answered = std::sync::atomic::AtomicBool::new(false);
+    let work = async {
         let slot = slots
             .acquire()
             .await
@@ -259,15 +260,24 @@ async fn generate(
             result.as_ref().err().map(|e| e.kind().as_str()),
         );
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
-        result
+        answered.store(true, std::sync::atomic::Ordering::Relaxed);
+        record(&pool, &completer, &claimed, result).await
     };
-    // The heartbeat keeps the lease while the writer works, and stops once
-    // it has answered: the outcome is then recorded (fenced by the claim),
-    // and a beat meeting that commit cannot report it as a lost claim.
+    tokio::pin!(work);
+    // The heartbeat keeps the lease until the outcome is recorded. A lost
+    // claim stops the writer; but once the writer has answered, the
+    // recording (fenced by the claim) says what happened: a beat that met
+    // that very commit must not report a written article as lost.
     let outcome = tokio::select! {
         biased;
-        result = written => record(&pool, &completer, &claimed, result).await,
-        lost = heartbeat_until_lost(&pool, &claimed, lease) => lost,
+        outcome = &mut work => outcome,
+        lost = heartbeat_until_lost(&pool, &claimed, lease) => {
+            if answered.load(std::sync::atomic::Ordering::Relaxed) {
+                work.await
+            } else {
+                lost
+            }
+        }
     };
     match outcome {
         Ok(Generated::Done) => tracing::info!(
