@@ -175,18 +175,14 @@ impl Pipeline {
             settings.top_k,
             settings.lookback_hours,
             settings.max_attempts,
+            settings.wait_timeout().as_secs_f64(),
         )
         .await?;
         drop(client);
         let targets: Vec<i64> = candidates.iter().map(|&(id, _)| id).collect();
-        // New issues are claimed here; failed ones with attempts left are
-        // the retry schedulers' (after their backoff or Retry-After), and
-        // the wait covers them all the same.
-        let pending: Vec<i64> = candidates
-            .iter()
-            .filter(|&&(_, pending)| pending)
-            .map(|&(id, _)| id)
-            .collect();
+        let (pending, failed): (Vec<_>, Vec<_>) =
+            candidates.iter().partition(|&&(_, pending)| pending);
+        let ids = |of: Vec<&(i64, bool)>| of.into_iter().map(|&(id, _)| id).collect::<Vec<_>>();
         tracing::info!(run_id, ?targets, "pipeline run started");
         record.targets = targets.clone();
         if targets.is_empty() {
@@ -195,14 +191,30 @@ impl Pipeline {
             return Ok(false);
         }
 
-        if !pending.is_empty() {
-            let claimed = self
-                .claimer
-                .claim(pending, settings.lease(), ClaimScope::Claimable)
-                .await?;
-            record.claimed = claimed.claimed_ids();
-            self.generator.submit(claimed.claimed).await;
+        // New issues, and failed ones as an automatic retry would take them
+        // (attempts left, any `Retry-After` passed); a failed one not due
+        // yet is claimed by a retry scheduler when it is, and the wait
+        // covers it all the same.
+        for (ids, scope) in [
+            (ids(pending), ClaimScope::Claimable),
+            (
+                ids(failed),
+                ClaimScope::RetryBelow(settings.max_attempts as i32),
+            ),
+        ] {
+            if ids.is_empty() {
+                continue;
+            }
+            let mut claimed = self.claimer.claim(ids, settings.lease(), scope).await?;
+            record.claimed.extend(claimed.claimed_ids());
+            self.generator
+                .submit(std::mem::take(&mut claimed.claimed))
+                .await;
         }
+        // In target order (hottest first).
+        record
+            .claimed
+            .sort_by_key(|id| targets.iter().position(|t| t == id));
 
         let request = WaitRequest {
             issue_ids: targets.clone(),

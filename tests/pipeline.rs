@@ -75,17 +75,18 @@ async fn scored_issues(db: &TestDb, scores: &[f64]) -> Vec<i64> {
     ids
 }
 
-/// Issues `FAILED` for good (fatal, or out of attempts) are not the
-/// pipeline's to retry: they stay as they are until an operator resets
-/// them. One with attempts left is a target, retried by the retry scheduler
-/// (not claimed early by the run), and the wait covers it.
+/// Issues `FAILED` beyond a run's reach — fatal, out of attempts, or told
+/// by the server not to retry before the run's wait would be over — are not
+/// its targets: they stay as they are. One with attempts left that may be
+/// retried now is a target, and the run claims it as a retry would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_leaves_issues_failed_for_good_alone() {
+async fn a_run_leaves_issues_failed_beyond_its_reach_alone() {
     let db = TestDb::new().await;
-    db.set("retry_backoff_ms", "1").await;
-    let ids = scored_issues(&db, &[1.0, 9.0, 8.0, 7.0]).await;
-    let (fatal, exhausted, retryable) = (ids[1], ids[2], ids[3]);
-    db.move_with_sql(&[fatal, retryable], &["IN_PROGRESS", "FAILED"])
+    // The run's own retry scheduler would wait this long: the run claims.
+    db.set("retry_backoff_ms", "3600000").await;
+    let ids = scored_issues(&db, &[1.0, 9.0, 8.0, 7.0, 8.5]).await;
+    let (fatal, exhausted, retryable, later) = (ids[1], ids[2], ids[3], ids[4]);
+    db.move_with_sql(&[fatal, retryable, later], &["IN_PROGRESS", "FAILED"])
         .await;
     db.move_with_sql(
         &[exhausted],
@@ -101,16 +102,10 @@ async fn a_run_leaves_issues_failed_for_good_alone() {
     .await;
     let sql = db.raw().await;
     sql.execute(
-        "UPDATE issue SET retry_not_before = 'infinity' WHERE id = $1",
-        &[&fatal],
-    )
-    .await
-    .unwrap();
-    // Its retry is due only once the run has selected its targets (else the
-    // run's own retry scheduler may have finished it before the selection).
-    sql.execute(
-        "UPDATE issue SET retry_not_before = now() + interval '5 seconds' WHERE id = $1",
-        &[&retryable],
+        "UPDATE issue SET retry_not_before = CASE id WHEN $1 THEN 'infinity'
+                                                     ELSE now() + interval '1 day' END
+          WHERE id IN ($1, $2)",
+        &[&fatal, &later],
     )
     .await
     .unwrap();
@@ -119,7 +114,7 @@ async fn a_run_leaves_issues_failed_for_good_alone() {
     assert_eq!(summary["outcome"], "all_pass");
     assert_eq!(summary["targets"], serde_json::json!([retryable, ids[0]]));
     assert_eq!(summary["completed"], serde_json::json!([retryable, ids[0]]));
-    for (id, attempts) in [(fatal, 1), (exhausted, 3)] {
+    for (id, attempts) in [(fatal, 1), (exhausted, 3), (later, 1)] {
         let row = sql
             .query_one(
                 "SELECT processing_status, attempts FROM issue WHERE id = $1",

@@ -154,14 +154,17 @@ pub async fn recent(client: &impl GenericClient, limit: i64) -> Result<Vec<RunVi
 }
 
 /// The pipeline's candidates: the `top_k` hottest issues collected within
-/// `lookback_hours` that are not `DONE`, and not `FAILED` for good (a fatal
-/// failure, or `max_attempts` used up: those stay `FAILED` until an
-/// operator resets them), hottest first. For each, whether it is `PENDING`.
+/// `lookback_hours` that are not `DONE`, and not `FAILED` beyond this run's
+/// reach: a fatal failure or `max_attempts` used up (those stay `FAILED`
+/// until an operator resets them), or a retry not allowed before
+/// `within_s` from now (the server's `Retry-After`). Hottest first; for
+/// each, whether it is `PENDING`.
 pub async fn select_targets(
     client: &impl GenericClient,
     top_k: i64,
     lookback_hours: i64,
     max_attempts: i64,
+    within_s: f64,
 ) -> Result<Vec<(i64, bool)>, DbError> {
     Ok(client
         .query(
@@ -169,13 +172,15 @@ pub async fn select_targets(
               WHERE collected_at >= now() - make_interval(hours => $2::integer)
                 AND processing_status <> 'DONE'
                 AND NOT (processing_status = 'FAILED'
-                         AND (retry_not_before IS NOT DISTINCT FROM 'infinity' OR attempts >= $3::integer))
+                         AND (attempts >= $3::integer
+                              OR COALESCE(retry_not_before > now() + make_interval(secs => $4::float8), false)))
               ORDER BY score DESC, id
               LIMIT $1",
             &[
                 &top_k,
                 &(lookback_hours as i32),
                 &(max_attempts.min(i32::MAX as i64) as i32),
+                &within_s,
             ],
         )
         .await?
