@@ -13,8 +13,10 @@
 -- and in a field: `*`, or a comma-separated list of `n`, `a-b`, `*/s`,
 -- `n/s`, `a-b/s`; month and weekday names (JAN..DEC, SUN..SAT); `?` for a
 -- whole day-of-month or day-of-week field; `L` and `nW` (day of month);
--- `L`, `nL` and `n#k` (day of week, k 1..5). Anything it accepts, the
--- scheduler can run (tests/cli.rs checks that on generated expressions).
+-- `nL` and `n#k` (day of week 0-6, k 1..5). A schedule whose days of the
+-- month never fall in its months (30 February) is refused too. Anything it
+-- accepts, the scheduler can run and will fire (tests/cli.rs checks both on
+-- generated expressions).
 
 CREATE FUNCTION newsnack_schedule_problem(schedule text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
@@ -32,6 +34,12 @@ DECLARE
     k int;
     first_value int;
     last_value int;
+    step int;
+    -- The days of the month and the months named, to check that they meet.
+    days boolean[] := array_fill(false, ARRAY[31]);
+    in_months boolean[] := array_fill(true, ARRAY[12]);
+    any_day boolean := false;
+    month_length constant int[] := ARRAY[31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
 BEGIN
     IF schedule = 'off' THEN
         RETURN NULL;
@@ -61,13 +69,20 @@ BEGIN
     FOR k IN 1 .. 12 LOOP
         fields[5] := replace(fields[5], months[k], k::text);
     END LOOP;
+    -- As the scheduler reads them: a range ending on Sunday ends on 7.
+    fields[6] := replace(fields[6], '-SUN', '-7');
     FOR k IN 1 .. 7 LOOP
         fields[6] := replace(fields[6], weekdays[k], (k - 1)::text);
     END LOOP;
+    IF fields[5] NOT IN ('*', '?') THEN
+        in_months := array_fill(false, ARRAY[12]);
+    END IF;
+    any_day := fields[4] IN ('*', '?');
     FOR i IN 1 .. 6 LOOP
         field := fields[i];
         CONTINUE WHEN field = '*' OR (field = '?' AND i IN (4, 6));
         FOREACH item IN ARRAY string_to_array(field, ',') LOOP
+            step := 1;
             -- A step: `*/s`, `n/s` (n to the field's end) or `a-b/s`.
             part := regexp_match(item, '^(\*|([0-9]{1,3})(-([0-9]{1,3}))?)/([0-9]{1,3})$');
             IF part IS NOT NULL THEN
@@ -77,6 +92,7 @@ BEGIN
                 END IF;
                 first_value := COALESCE(part[2]::int, lowest[i]);
                 last_value := COALESCE(part[4]::int, highest[i]);
+                step := part[5]::int;
             ELSIF item ~ '^[0-9]{1,3}-[0-9]{1,3}$' THEN
                 first_value := split_part(item, '-', 1)::int;
                 last_value := split_part(item, '-', 2)::int;
@@ -86,16 +102,19 @@ BEGIN
             ELSIF i = 4 AND item ~ '^[0-9]{1,3}W$' THEN
                 first_value := rtrim(item, 'W')::int;
                 last_value := first_value;
-            ELSIF i = 6 AND item ~ '^[0-9]{1,3}L$' THEN
-                first_value := rtrim(item, 'L')::int;
-                last_value := first_value;
-            ELSIF i = 6 AND item ~ '^[0-9]{1,3}#[0-9]{1,3}$' THEN
-                IF split_part(item, '#', 2)::int NOT BETWEEN 1 AND 5 THEN
+            ELSIF i = 6 AND item ~ '^[0-9]{1,3}(L|#[0-9]{1,3})$' THEN
+                -- The last, or the n-th, such weekday of the month: 0-6
+                -- (a 7 here would never match).
+                IF item ~ '#' AND split_part(item, '#', 2)::int NOT BETWEEN 1 AND 5 THEN
                     RETURN format('"%s": the n in day#n must be between 1 and 5', item);
                 END IF;
-                first_value := split_part(item, '#', 1)::int;
+                first_value := substring(item FROM '^[0-9]+')::int;
                 last_value := first_value;
-            ELSIF item = 'L' AND i IN (4, 6) THEN
+                IF first_value > 6 THEN
+                    RETURN format('"%s": the weekday before L or # must be 0-6 (Sunday is 0)', item);
+                END IF;
+            ELSIF i = 4 AND item = 'L' THEN
+                any_day := true;
                 CONTINUE;
             ELSE
                 RETURN format('"%s" is not something the %s field accepts', item, field_names[i]);
@@ -107,8 +126,25 @@ BEGIN
             IF first_value > last_value THEN
                 RETURN format('the range "%s" runs backwards', item);
             END IF;
+            IF i IN (4, 5) THEN
+                FOR k IN SELECT generate_series(first_value, last_value, step) LOOP
+                    IF i = 4 THEN
+                        days[k] := true;
+                    ELSE
+                        in_months[k] := true;
+                    END IF;
+                END LOOP;
+            END IF;
         END LOOP;
     END LOOP;
+    -- With any weekday, the days of the month named must fall in one of the
+    -- months named (no 30 February), or the schedule never fires.
+    IF fields[6] IN ('*', '?') AND NOT any_day AND NOT EXISTS (
+        SELECT FROM generate_series(1, 12) m, generate_series(1, 31) d
+         WHERE in_months[m] AND days[d] AND d <= month_length[m]
+    ) THEN
+        RETURN 'the days of the month given never fall in the months given';
+    END IF;
     RETURN NULL;
 END
 $$;

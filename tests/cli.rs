@@ -422,10 +422,21 @@ async fn the_database_accepts_only_schedules_the_scheduler_can_run() {
         "@daily",
         "@hourly",
         "0 0 * * 7",
+        "0 10 * * SAT-SUN",
+        "0 10 * * FRI-SUN",
+        "0 0 29 2 *",
+        "0 0 31 1-3 *",
     ];
+    // Accepted means the scheduler parses it and it fires.
+    let fires = |schedule: &str| {
+        schedule == "off"
+            || schedule
+                .parse::<Schedule>()
+                .is_ok_and(|s| s.next_tick(time::OffsetDateTime::now_utc()).is_some())
+    };
     for (schedule, problem) in problems(common.iter().map(|s| s.to_string()).collect()).await {
         assert_eq!(problem, None, "{schedule:?} is a schedule people write");
-        assert!(schedule.parse::<Schedule>().is_ok(), "{schedule:?}");
+        assert!(fires(&schedule), "{schedule:?}");
     }
     let broken = [
         ("99 * * * *", "outside the minute field's range 0-59"),
@@ -440,6 +451,10 @@ async fn the_database_accepts_only_schedules_the_scheduler_can_run() {
         ("0 0 * JUL-FOO *", "not something the month field accepts"),
         ("0 0 * *", "5 or 6 fields"),
         ("every 8785h", "at most 366 days"),
+        ("0 0 30 2 *", "never fall in the months given"),
+        ("0 0 31 4,6,9,11 *", "never fall in the months given"),
+        ("0 0 * * L", "not something the day-of-week field accepts"),
+        ("0 0 * * 7L", "must be 0-6"),
         ("whenever", "5 or 6 fields"),
     ];
     let found = problems(broken.iter().map(|(s, _)| s.to_string()).collect()).await;
@@ -478,8 +493,8 @@ async fn the_database_accepts_only_schedules_the_scheduler_can_run() {
         if problem.is_none() {
             accepted += 1;
             assert!(
-                schedule.parse::<Schedule>().is_ok(),
-                "the database accepts {schedule:?}, the scheduler cannot run it"
+                fires(&schedule),
+                "the database accepts {schedule:?}, the scheduler cannot run it or it never fires"
             );
         }
     }
