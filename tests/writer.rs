@@ -268,6 +268,10 @@ async fn json_cut_short_is_a_retryable_transport_error() {
     let err = error_for_answer(cut_short.into()).await;
     assert!(err.is_retryable(), "{err}");
     assert_eq!(err.kind(), WriteErrorKind::Transport);
+    // An empty body is no answer at all, not one cut short.
+    let err = error_for_answer(String::new()).await;
+    assert!(!err.is_retryable(), "{err}");
+    assert_eq!(err.kind(), WriteErrorKind::Malformed);
 }
 
 #[tokio::test]

@@ -372,9 +372,11 @@ fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteErr
         )
     };
     let value: Value = serde_json::from_slice(body).map_err(|err| {
-        if err.classify() == serde_json::error::Category::Eof {
+        let started = body.iter().any(|b| !b.is_ascii_whitespace());
+        if err.classify() == serde_json::error::Category::Eof && started {
             // JSON cut short: the connection ended early without a framing
-            // error. A network fault, not the model's answer.
+            // error. A network fault, not the model's answer (an empty
+            // body, though, is what the server meant to send).
             WriteError::retryable(
                 WriteErrorKind::Transport,
                 format!("the response was cut short ({err})"),
