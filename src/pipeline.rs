@@ -562,7 +562,10 @@ impl PipelineScheduler {
                 }
                 Ok(None) => {}
                 Err(PipelineError::Busy) => {
-                    tracing::debug!(%tick, "another instance is running this tick")
+                    // Another instance runs this tick, or a run (an earlier
+                    // tick's, or a manual one) is still in progress and this
+                    // tick is skipped.
+                    tracing::info!(%tick, "the pipeline lock is held elsewhere; not running this tick here")
                 }
                 Err(e) => tracing::warn!(error = %e, "scheduled run failed"),
             }
