@@ -180,9 +180,14 @@ impl Pipeline {
         .await?;
         drop(client);
         let targets: Vec<i64> = candidates.iter().map(|&(id, _)| id).collect();
-        let (pending, failed): (Vec<_>, Vec<_>) =
-            candidates.iter().partition(|&&(_, pending)| pending);
-        let ids = |of: Vec<&(i64, bool)>| of.into_iter().map(|&(id, _)| id).collect::<Vec<_>>();
+        let (mut pending, mut failed) = (Vec::new(), Vec::new());
+        for &(id, is_pending) in &candidates {
+            if is_pending {
+                pending.push(id);
+            } else {
+                failed.push(id);
+            }
+        }
         tracing::info!(run_id, ?targets, "pipeline run started");
         record.targets = targets.clone();
         if targets.is_empty() {
@@ -196,11 +201,8 @@ impl Pipeline {
         // yet is claimed by a retry scheduler when it is, and the wait
         // covers it all the same.
         for (ids, scope) in [
-            (ids(pending), ClaimScope::Claimable),
-            (
-                ids(failed),
-                ClaimScope::RetryBelow(settings.max_attempts as i32),
-            ),
+            (pending, ClaimScope::Claimable),
+            (failed, ClaimScope::RetryBelow(settings.max_attempts as i32)),
         ] {
             if ids.is_empty() {
                 continue;

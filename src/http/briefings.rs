@@ -8,7 +8,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 
-use super::error::{ApiError, ApiJson, ApiPath};
+use super::error::{positive_id, ApiError, ApiJson, ApiPath};
 use super::AppState;
 use crate::briefing::{self, AssembleError, Assembled};
 use crate::db::{self, briefing::Briefing, pipeline_run::RunView, DbError};
@@ -62,14 +62,7 @@ pub async fn by_id(
     State(state): State<AppState>,
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Json<Briefing>, ApiError> {
-    let id = match raw.parse::<i64>() {
-        Ok(id) if id > 0 => id,
-        _ => {
-            return Err(ApiError::bad_request(format!(
-                "briefing id must be a positive integer, got {raw:?}"
-            )))
-        }
-    };
+    let id = positive_id("briefing id", &raw)?;
     find(&state, Some(id)).await
 }
 

@@ -145,6 +145,17 @@ where
     }
 }
 
+/// A path id (`what`, e.g. "issue id") as a positive integer, or the
+/// API's 400 saying what was wrong with it.
+pub fn positive_id(what: &str, raw: &str) -> Result<i64, ApiError> {
+    match raw.parse::<i64>() {
+        Ok(id) if id > 0 => Ok(id),
+        _ => Err(ApiError::bad_request(format!(
+            "{what} must be a positive integer, got {raw:?}"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

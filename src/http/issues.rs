@@ -6,7 +6,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 
-use super::error::{ApiError, ApiJson, ApiPath};
+use super::error::{positive_id, ApiError, ApiJson, ApiPath};
 use super::AppState;
 use crate::api_types::NewIssueJson;
 use crate::db::issue::{self, IssueView, NewIssue};
@@ -39,16 +39,6 @@ pub async fn add_issues(
     Ok((StatusCode::CREATED, Json(serde_json::json!({ "ids": ids }))))
 }
 
-/// Parses the path id, so `/issues/abc` gets the API's error shape.
-pub(super) fn parse_id(raw: &str) -> Result<i64, ApiError> {
-    match raw.parse::<i64>() {
-        Ok(id) if id > 0 => Ok(id),
-        _ => Err(ApiError::bad_request(format!(
-            "issue id must be a positive integer, got {raw:?}"
-        ))),
-    }
-}
-
 /// One issue.
 #[utoipa::path(get, path = "/issues/{id}", tag = "issues",
     params(("id" = i64, Path, description = "issue id")),
@@ -57,7 +47,7 @@ pub async fn show_issue(
     State(state): State<AppState>,
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Json<IssueView>, ApiError> {
-    let id = parse_id(&raw)?;
+    let id = positive_id("issue id", &raw)?;
     let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
     issue::get_issue(&client, id)
         .await?
