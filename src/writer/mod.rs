@@ -66,7 +66,7 @@ pub struct Article {
 pub enum WriteErrorKind {
     /// HTTP 429.
     RateLimited,
-    /// HTTP 5xx.
+    /// HTTP 5xx, or 425 Too Early (the server asks for the request again).
     ServerError,
     /// The request took longer than the configured timeout (or HTTP 408).
     Timeout,

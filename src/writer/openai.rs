@@ -319,6 +319,11 @@ fn status_error(status: StatusCode, retry_after: Option<Duration>, snippet: &str
             reason("server timed out"),
             retry_after,
         ),
+        StatusCode::TOO_EARLY => WriteError::retryable(
+            WriteErrorKind::ServerError,
+            reason("server asked to retry later"),
+            retry_after,
+        ),
         s if s.is_server_error() => WriteError::retryable(
             WriteErrorKind::ServerError,
             reason("server error"),
@@ -331,7 +336,7 @@ fn status_error(status: StatusCode, retry_after: Option<Duration>, snippet: &str
     }
 }
 
-/// The `Retry-After` header: delta-seconds or an HTTP-date (IMF-fixdate).
+/// The `Retry-After` header: delta-seconds or an HTTP-date.
 fn retry_after(headers: &HeaderMap, now: OffsetDateTime) -> Option<Duration> {
     let value = headers.get(RETRY_AFTER)?.to_str().ok()?;
     parse_retry_after(value, now)
@@ -341,8 +346,10 @@ fn retry_after(headers: &HeaderMap, now: OffsetDateTime) -> Option<Duration> {
 /// after a day (and may say so again).
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// `"120"` or `"Sun, 06 Nov 1994 08:49:37 GMT"`; a date in the past means
-/// now; at most [`MAX_RETRY_AFTER`].
+/// `"120"` or an HTTP-date in any of its three forms (`"Sun, 06 Nov 1994
+/// 08:49:37 GMT"`, the obsolete `"Sunday, 06-Nov-94 08:49:37 GMT"` and
+/// `"Sun Nov  6 08:49:37 1994"`); a date in the past means now; at most
+/// [`MAX_RETRY_AFTER`].
 pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
     let value = value.trim();
     if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
@@ -350,12 +357,7 @@ pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
         let seconds = value.parse::<u64>().unwrap_or(u64::MAX);
         return Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER));
     }
-    let format = time::macros::format_description!(
-        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
-    );
-    let at = time::PrimitiveDateTime::parse(value, &format)
-        .ok()?
-        .assume_utc();
+    let at = OffsetDateTime::from(httpdate::parse_http_date(value).ok()?);
     Some(
         Duration::try_from(at - now)
             .unwrap_or(Duration::ZERO)
@@ -836,6 +838,7 @@ mod tests {
         let cases = [
             (429, true, WriteErrorKind::RateLimited),
             (408, true, WriteErrorKind::Timeout),
+            (425, true, WriteErrorKind::ServerError),
             (500, true, WriteErrorKind::ServerError),
             (503, true, WriteErrorKind::ServerError),
             (400, false, WriteErrorKind::BadRequest),
@@ -883,7 +886,16 @@ mod tests {
             parse_retry_after("Wed, 21 Oct 2015 07:00:00 GMT", now),
             Some(Duration::ZERO)
         );
-        for junk in ["-1", "1.5", "soon", ""] {
+        // The obsolete forms a server may still send (RFC 9110, 5.6.7).
+        assert_eq!(
+            parse_retry_after("Wednesday, 21-Oct-15 07:30:00 GMT", now),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            parse_retry_after("Wed Oct 21 07:30:00 2015", now),
+            Some(Duration::from_secs(120))
+        );
+        for junk in ["-1", "1.5", "soon", "", "Wed, 21 Oct 2015 07:30:00 CET"] {
             assert_eq!(parse_retry_after(junk, now), None, "{junk:?}");
         }
     }
