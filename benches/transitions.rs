@@ -5,10 +5,20 @@
 //!
 //! Two claim paths are measured: the service's [`Claimer`] (concurrent
 //! requests share a commit) and the bare statement, one transaction per
-//! claim, which shows what NOTIFY's commit serialisation costs.
+//! claim, which shows what NOTIFY's commit serialisation costs. On and off
+//! alternate in [`ROUNDS`] rounds, so drift in the machine's speed during
+//! the run weighs on both alike; each figure is the mean over the rounds.
+//!
+//! Last, the claim statement's ceiling with PostgreSQL alone: `pgbench`
+//! runs it on [`CEILING_CONNECTIONS`] connections, each transaction claiming
+//! a fresh window of [`CEILING_BATCH`] ids (the largest batch the seeds'
+//! workload gives the claimer: 16 clients asking for 2 new ids each), with
+//! the transition log trigger on and disabled. No service, no HTTP: what the
+//! database can do with the whole machine.
 //!
 //! `cargo bench --bench transitions` (BENCH_SECONDS sets each phase's
-//! length, default 10). Uses a throwaway cluster with default durability.
+//! length, summed over its rounds; default 10). Uses a throwaway cluster
+//! with default durability.
 
 mod common;
 
@@ -25,6 +35,13 @@ use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{find_bin_dir, EmbeddedOptions, EmbeddedPostgres};
 
 const CLIENTS: usize = 8;
+/// Rounds of triggers on, then off, each a share of `BENCH_SECONDS`.
+const ROUNDS: u32 = 4;
+/// Ids per transaction in the ceiling phase.
+const CEILING_BATCH: i64 = 32;
+/// Connections in the ceiling phase: two saturate the two cores (four and
+/// eight give no more).
+const CEILING_CONNECTIONS: usize = 2;
 
 #[tokio::main]
 async fn main() {
@@ -60,20 +77,35 @@ async fn main() {
     )
     .unwrap();
 
-    let duration = Duration::from_secs(seconds);
-    let on = claim_rate(&pool, Path::Claimer, duration).await;
-    let direct_on = claim_rate(&pool, Path::Direct, duration).await;
-    migrator
-        .batch_execute("ALTER TABLE issue DISABLE TRIGGER USER")
-        .await
-        .unwrap();
-    let off = claim_rate(&pool, Path::Claimer, duration).await;
-    let direct_off = claim_rate(&pool, Path::Direct, duration).await;
-    migrator
-        .batch_execute("ALTER TABLE issue ENABLE TRIGGER USER")
-        .await
-        .unwrap();
+    // On and off alternate in ROUNDS short rounds, so a machine that
+    // speeds up or slows down during the run weighs on both alike.
+    let round_length = Duration::from_secs_f64(seconds as f64 / ROUNDS as f64);
+    let (mut on, mut direct_on, mut off, mut direct_off) = (0.0, 0.0, 0.0, 0.0);
+    for _ in 0..ROUNDS {
+        on += claim_rate(&pool, Path::Claimer, round_length).await / ROUNDS as f64;
+        direct_on += claim_rate(&pool, Path::Direct, round_length).await / ROUNDS as f64;
+        migrator
+            .batch_execute("ALTER TABLE issue DISABLE TRIGGER USER")
+            .await
+            .unwrap();
+        off += claim_rate(&pool, Path::Claimer, round_length).await / ROUNDS as f64;
+        direct_off += claim_rate(&pool, Path::Direct, round_length).await / ROUNDS as f64;
+        migrator
+            .batch_execute("ALTER TABLE issue ENABLE TRIGGER USER")
+            .await
+            .unwrap();
+    }
     let pgbench = pgbench_tps(&cluster, seconds);
+    let ceiling_on = claim_ceiling(&cluster, &migrator, seconds).await;
+    migrator
+        .batch_execute("ALTER TABLE issue DISABLE TRIGGER issue_transition_on_update")
+        .await
+        .unwrap();
+    let ceiling_off = claim_ceiling(&cluster, &migrator, seconds).await;
+    migrator
+        .batch_execute("ALTER TABLE issue ENABLE TRIGGER issue_transition_on_update")
+        .await
+        .unwrap();
 
     let ratio_vs_pgbench = on / pgbench;
     let trigger_cost = 1.0 - on / off;
@@ -81,6 +113,7 @@ async fn main() {
         "benchmark": "claim transitions per second",
         "clients": CLIENTS,
         "seconds_per_phase": seconds,
+        "rounds_of_on_then_off": ROUNDS,
         "claims_per_s_triggers_on": round(on),
         "claims_per_s_triggers_off": round(off),
         "direct_one_claim_per_transaction": {
@@ -90,6 +123,13 @@ async fn main() {
             "trigger_cost": round3(1.0 - direct_on / direct_off),
         },
         "pgbench_simple_update_tps": round(pgbench),
+        "claim_statement_ceiling_postgres_alone": {
+            "what": "pgbench running the claim statement, each transaction a fresh window of ids",
+            "ids_per_transaction": CEILING_BATCH,
+            "connections": CEILING_CONNECTIONS,
+            "claims_per_s_triggers_on": round(ceiling_on),
+            "claims_per_s_transition_log_trigger_off": round(ceiling_off),
+        },
         "ratio_on_vs_pgbench": round3(ratio_vs_pgbench),
         "trigger_cost": round3(trigger_cost),
         "targets": {
@@ -115,7 +155,8 @@ enum Path {
 /// Each client claims single issues from its own slice, one request per
 /// claim, for `duration`. Returns claims per second.
 async fn claim_rate(pool: &DbPool, path: Path, duration: Duration) -> f64 {
-    let per_client = 40_000;
+    // More than a client can claim in `duration` (about 1,000/s at most).
+    let per_client = (duration.as_secs_f64() * 2_000.0).ceil() as usize + 1_000;
     let client = pool.get().await.unwrap();
     let issues: Vec<NewIssue> = (0..per_client * CLIENTS)
         .map(|i| NewIssue {
@@ -179,16 +220,9 @@ async fn claim_rate(pool: &DbPool, path: Path, duration: Duration) -> f64 {
 }
 
 fn pgbench_tps(cluster: &EmbeddedPostgres, seconds: u64) -> f64 {
-    let bin = find_bin_dir().expect("server binaries");
-    let pgbench = if bin.join("pgbench").is_file() {
-        bin.join("pgbench")
-    } else {
-        "pgbench".into()
-    };
     let port = cluster.port().to_string();
-    let base = ["-h", "127.0.0.1", "-p", port.as_str(), "-U", "postgres"];
-    let init = Command::new(&pgbench)
-        .args(base)
+    let init = Command::new(pgbench())
+        .args(["-h", "127.0.0.1", "-p", port.as_str(), "-U", "postgres"])
         .args(["-i", "-q", "-s", "8", "bench_pgbench"])
         .output()
         .expect("run pgbench");
@@ -197,23 +231,45 @@ fn pgbench_tps(cluster: &EmbeddedPostgres, seconds: u64) -> f64 {
         "pgbench -i: {}",
         String::from_utf8_lossy(&init.stderr)
     );
-    let clients = CLIENTS.to_string();
-    let secs = seconds.to_string();
-    let run = Command::new(&pgbench)
-        .args(base)
-        .args([
+    run_pgbench(
+        cluster,
+        &[
             "-b",
             "simple-update",
             "-c",
-            &clients,
+            &CLIENTS.to_string(),
             "-j",
             "2",
             "-T",
-            &secs,
+            &seconds.to_string(),
             "bench_pgbench",
-        ])
+        ],
+    )
+}
+
+/// The server's own `pgbench` (or the one on `PATH`).
+fn pgbench() -> std::path::PathBuf {
+    let bin = find_bin_dir().expect("server binaries");
+    if bin.join("pgbench").is_file() {
+        bin.join("pgbench")
+    } else {
+        "pgbench".into()
+    }
+}
+
+/// Runs `pgbench` against the cluster with `args`; its reported tps.
+fn run_pgbench(cluster: &EmbeddedPostgres, args: &[&str]) -> f64 {
+    let port = cluster.port().to_string();
+    let run = Command::new(pgbench())
+        .args(["-h", "127.0.0.1", "-p", port.as_str(), "-U", "postgres"])
+        .args(args)
         .output()
         .expect("run pgbench");
+    assert!(
+        run.status.success(),
+        "pgbench {args:?}: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let out = String::from_utf8_lossy(&run.stdout);
     out.lines()
         .find_map(|l| {
@@ -222,6 +278,91 @@ fn pgbench_tps(cluster: &EmbeddedPostgres, seconds: u64) -> f64 {
                 .and_then(|n| n.parse().ok())
         })
         .unwrap_or_else(|| panic!("no tps in pgbench output: {out}"))
+}
+
+/// Claims per second when `pgbench` runs the service's claim statement
+/// (`CLAIM_STATEMENT`, prepared) on fresh windows of [`CEILING_BATCH`] ids.
+async fn claim_ceiling(
+    cluster: &EmbeddedPostgres,
+    client: &tokio_postgres::Client,
+    seconds: u64,
+) -> f64 {
+    // Comfortably more issues than the phase can claim (about 11,000/s
+    // with the triggers on, 16,000/s without, on a 2-core machine).
+    let issues = 40_000 * seconds.max(1) as i64;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO issue (title, body)
+             SELECT 'ceiling ' || g, repeat('An issue of a realistic length. ', 15)
+               FROM generate_series(1, {issues}) g"
+        ))
+        .await
+        .unwrap();
+    client.batch_execute("VACUUM ANALYZE issue").await.unwrap();
+    let first: i64 = client
+        .query_one(
+            "SELECT min(id) FROM issue WHERE processing_status = 'PENDING'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    client
+        .batch_execute(&format!(
+            "DROP SEQUENCE IF EXISTS bench_window;
+             CREATE SEQUENCE bench_window START WITH {first} INCREMENT BY {CEILING_BATCH};"
+        ))
+        .await
+        .unwrap();
+    // The statement as the claimer sends it, its parameters bound in SQL:
+    // each transaction takes the next window of ids from a sequence.
+    let window = format!(
+        "WITH window_ids AS MATERIALIZED (
+             SELECT array_agg(g) AS ids
+               FROM (SELECT nextval('bench_window') AS n) w,
+                    generate_series(w.n, w.n + {last}) g
+         ), claimable",
+        last = CEILING_BATCH - 1
+    );
+    let replacements = [
+        ("WITH claimable", window.as_str()),
+        ("$1::bigint[]", "(SELECT ids FROM window_ids)::bigint[]"),
+        ("$2", "'bench'"),
+        ("$3::float8", "60::float8"),
+        ("$4::integer", "NULL::integer"),
+    ];
+    let mut statement = newsnack::db::issue::CLAIM_STATEMENT.to_string();
+    for (from, to) in replacements {
+        assert!(
+            statement.contains(from),
+            "{from} not in the claim statement"
+        );
+        statement = statement.replace(from, to);
+    }
+    let statement = format!(
+        "{};\n",
+        statement.split_whitespace().collect::<Vec<_>>().join(" ")
+    );
+    let script = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(script.path(), statement).unwrap();
+    let tps = run_pgbench(
+        cluster,
+        &[
+            "-n",
+            "-M",
+            "prepared",
+            "-f",
+            script.path().to_str().unwrap(),
+            "-c",
+            &CEILING_CONNECTIONS.to_string(),
+            "-j",
+            &CEILING_CONNECTIONS.to_string(),
+            "-T",
+            &seconds.to_string(),
+            "bench",
+        ],
+    );
+    tps * CEILING_BATCH as f64
 }
 
 fn round(x: f64) -> f64 {
