@@ -18,10 +18,11 @@
 //! reason `shutdown` (they are retried by whichever instance remains).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore, SemaphorePermit};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -142,7 +143,7 @@ impl Generator {
             .map(|s| s.generation_concurrency)
             .unwrap_or(8)
             .max(1) as usize;
-        let slots = Arc::new(Semaphore::new(initial));
+        let slots = Arc::new(Slots::new(initial));
         let mut capacity = initial;
         let mut inflight: JoinSet<()> = JoinSet::new();
         let mut claims: HashMap<tokio::task::Id, (i64, i64)> = HashMap::new();
@@ -168,7 +169,7 @@ impl Generator {
                 }
                 Ok(()) = self.settings_changed.changed() => {
                     if let Ok(settings) = self.settings.get().await {
-                        capacity = resize(&slots, capacity, settings.generation_concurrency.max(1) as usize);
+                        capacity = slots.resize(capacity, settings.generation_concurrency.max(1) as usize);
                     }
                 }
             }
@@ -206,28 +207,71 @@ impl Generator {
     }
 }
 
-/// Grows or shrinks the LLM slots to `wanted`; returns the new capacity.
-fn resize(slots: &Arc<Semaphore>, current: usize, wanted: usize) -> usize {
-    if wanted > current {
-        slots.add_permits(wanted - current);
-    } else if wanted < current {
-        // Take the surplus out as permits come back.
-        let slots = slots.clone();
-        let surplus = (current - wanted) as u32;
-        tokio::spawn(async move {
-            if let Ok(permits) = slots.acquire_many(surplus).await {
-                permits.forget();
+/// The LLM call slots, sized by the `generation_concurrency` setting.
+///
+/// Shrinking takes effect at the next call to start, however many are
+/// queued: a waiter handed a permit while the slots are over size retires
+/// it and waits again. (Taking the surplus out with one more waiter would
+/// not: the semaphore serves waiters in order, so it would get the permits
+/// only after every call queued before it.)
+struct Slots {
+    permits: Semaphore,
+    /// Permits still to retire as they are handed out.
+    surplus: AtomicUsize,
+}
+
+impl Slots {
+    fn new(capacity: usize) -> Slots {
+        Slots {
+            permits: Semaphore::new(capacity),
+            surplus: AtomicUsize::new(0),
+        }
+    }
+
+    async fn acquire(&self) -> SemaphorePermit<'_> {
+        loop {
+            let permit = self
+                .permits
+                .acquire()
+                .await
+                .expect("the semaphore is never closed");
+            let retired = self
+                .surplus
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if !retired {
+                return permit;
             }
-        });
+            permit.forget();
+        }
     }
-    if wanted != current {
-        tracing::info!(
-            from = current,
-            to = wanted,
-            "generation concurrency changed"
-        );
+
+    /// Grows or shrinks the slots from `current` to `wanted`; returns the
+    /// new capacity.
+    fn resize(&self, current: usize, wanted: usize) -> usize {
+        if wanted > current {
+            // Surplus not yet retired is kept instead of adding permits.
+            let grow = wanted - current;
+            let mut kept = 0;
+            let _ = self
+                .surplus
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    kept = n.min(grow);
+                    Some(n - kept)
+                });
+            self.permits.add_permits(grow - kept);
+        } else if wanted < current {
+            self.surplus.fetch_add(current - wanted, Ordering::SeqCst);
+        }
+        if wanted != current {
+            tracing::info!(
+                from = current,
+                to = wanted,
+                "generation concurrency changed"
+            );
+        }
+        wanted
     }
-    wanted
 }
 
 /// One issue, start to finish. Heartbeats the lease until the outcome is
@@ -237,7 +281,7 @@ async fn generate(
     completer: Completer,
     writer: SharedWriter,
     settings: Arc<SettingsCache>,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     claimed: ClaimedIssue,
 ) {
     let _in_flight = crate::metrics::generation_started();
@@ -247,10 +291,7 @@ async fn generate(
     };
     let answered = std::sync::atomic::AtomicBool::new(false);
     let work = async {
-        let slot = slots
-            .acquire()
-            .await
-            .expect("the semaphore is never closed");
+        let slot = slots.acquire().await;
         let started = std::time::Instant::now();
         let result = writer.write(IssueText::from(&claimed)).await;
         // The slot bounds LLM calls only; recording waits for its batch.
@@ -260,7 +301,7 @@ async fn generate(
             result.as_ref().err().map(|e| e.kind().as_str()),
         );
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
-        answered.store(true, std::sync::atomic::Ordering::Relaxed);
+        answered.store(true, Ordering::Relaxed);
         record(&pool, &completer, &claimed, result).await
     };
     tokio::pin!(work);
@@ -272,7 +313,7 @@ async fn generate(
         biased;
         outcome = &mut work => outcome,
         lost = heartbeat_until_lost(&pool, &claimed, lease) => {
-            if answered.load(std::sync::atomic::Ordering::Relaxed) {
+            if answered.load(Ordering::Relaxed) {
                 work.await
             } else {
                 lost

@@ -252,6 +252,62 @@ async fn the_llm_concurrency_cap_follows_the_setting() {
     service.stop().await.unwrap();
 }
 
+/// Lowering the cap takes effect at the next call, not after the calls
+/// already queued for a slot: with a backlog of 8 behind 4 running calls,
+/// a change to 1 leaves the backlog running one at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_llm_cap_applies_to_the_calls_already_queued() {
+    let db = TestDb::new().await;
+    db.set("generation_concurrency", "4").await;
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let (arrived, mut arrivals) = tokio::sync::watch::channel(0u64);
+    let fake = FakeLlm::start(move |n, _| {
+        arrived.send_modify(|count| *count += 1);
+        if n < 4 {
+            // The first four are held until the cap is lowered.
+            Reply::Gated {
+                open: gate.clone(),
+                content: ARTICLE.into(),
+            }
+        } else {
+            Reply::Slow {
+                delay: Duration::from_millis(200),
+                content: ARTICLE.into(),
+            }
+        }
+    })
+    .await;
+    let service = db
+        .serve("cap-shrink", llm_writer(&fake, Duration::from_secs(10)))
+        .await;
+    let ids = db.add_issues(12).await;
+    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
+    assert_eq!(status, 202);
+    arrivals.wait_for(|count| *count >= 4).await.unwrap();
+    let mut changed = service.hub.settings_changed();
+    changed.borrow_and_update();
+    db.set("generation_concurrency", "1").await;
+    changed.changed().await.unwrap();
+    open.send(true).unwrap();
+    until_sql(
+        &db,
+        &service.hub,
+        60,
+        "SELECT count(*) = 12 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+    let seen = fake.in_flight_at_arrival();
+    assert_eq!(seen.len(), 12, "one call per issue: {seen:?}");
+    assert_eq!(&seen[..4], &[1, 2, 3, 4], "four at first: {seen:?}");
+    // The service may read the new setting a moment after the gate opens,
+    // so the first calls of the backlog may still overlap; the rest not.
+    assert!(
+        seen[8..].iter().all(|&n| n == 1),
+        "the backlog ran one call at a time once the cap was lowered: {seen:?}"
+    );
+    service.stop().await.unwrap();
+}
+
 fn spawn_serve(db: &TestDb, name: &str, llm_url: &str) -> ServeProcess {
     ServeProcess::spawn(
         &db.url,

@@ -34,6 +34,11 @@ pub enum Reply {
     RateLimited { retry_after_s: u64 },
     /// 500 with a JSON error body.
     ServerError,
+    /// Like `Ok`, once `open` turns true.
+    Gated {
+        open: tokio::sync::watch::Receiver<bool>,
+        content: String,
+    },
     /// Never answers, until the fake is stopped (then 503).
     Hang,
     /// 200 with a body that is not JSON.
@@ -57,6 +62,9 @@ struct Shared {
     requests: AtomicU64,
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
+    /// For each request, in order, how many were being answered when it
+    /// arrived (itself included).
+    in_flight_at_arrival: Mutex<Vec<u64>>,
     last_authorization: Mutex<Option<String>>,
     last_request: Mutex<Option<Value>>,
     /// Cancelled when the current run of the server stops.
@@ -81,6 +89,7 @@ impl FakeLlm {
             requests: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             max_in_flight: AtomicU64::new(0),
+            in_flight_at_arrival: Mutex::new(Vec::new()),
             last_authorization: Mutex::new(None),
             last_request: Mutex::new(None),
             stopping: Mutex::new(CancellationToken::new()),
@@ -125,6 +134,12 @@ impl FakeLlm {
     /// The most requests that were ever being answered at once.
     pub fn max_in_flight(&self) -> u64 {
         self.shared.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// For each request so far, in arrival order, how many were being
+    /// answered when it arrived (itself included).
+    pub fn in_flight_at_arrival(&self) -> Vec<u64> {
+        self.shared.in_flight_at_arrival.lock().unwrap().clone()
     }
 
     /// The `Authorization` header of the last request, if it had one.
@@ -179,8 +194,14 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let n = shared.requests.fetch_add(1, Ordering::SeqCst);
-    let now = shared.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+    let (n, now) = {
+        // One lock around both counts, so arrivals are recorded in order.
+        let mut arrivals = shared.in_flight_at_arrival.lock().unwrap();
+        let n = shared.requests.fetch_add(1, Ordering::SeqCst);
+        let now = shared.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        arrivals.push(now);
+        (n, now)
+    };
     shared.max_in_flight.fetch_max(now, Ordering::SeqCst);
     let _leaving = InFlight(shared.clone());
     let authorization = headers
@@ -193,6 +214,13 @@ async fn chat_completions(
 
     let stopping = shared.stopping.lock().unwrap().clone();
     let mut reply = (shared.script)(n, &request);
+    if let Reply::Gated { mut open, content } = reply {
+        tokio::select! {
+            _ = open.wait_for(|open| *open) => {}
+            _ = stopping.cancelled() => {}
+        }
+        reply = Reply::Ok(content);
+    }
     if let Reply::Slow { delay, content } = reply {
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
@@ -201,7 +229,7 @@ async fn chat_completions(
         reply = Reply::Ok(content);
     }
     match reply {
-        Reply::Slow { .. } => unreachable!("turned into Ok above"),
+        Reply::Slow { .. } | Reply::Gated { .. } => unreachable!("turned into Ok above"),
         Reply::Ok(content) => {
             let model = request.get("model").cloned().unwrap_or(Value::Null);
             let completion = json!({
