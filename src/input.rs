@@ -81,6 +81,13 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
                 "issues[{i}].score must be a finite number"
             )));
         }
+        if let Some(at) = issue.collected_at {
+            if !collected_at_in_range(at) {
+                return Err(InvalidInput::Bad(format!(
+                    "issues[{i}].collected_at must fall between the years 1 and 9999 in UTC"
+                )));
+            }
+        }
         if issue.title.contains('\0') || issue.body.contains('\0') {
             return Err(InvalidInput::Bad(format!(
                 "issues[{i}] must not contain NUL characters"
@@ -88,6 +95,14 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
         }
     }
     Ok(())
+}
+
+/// Whether a `collected_at` can be stored and read back: its UTC date must
+/// be a year from 1 to 9999 (`9999-12-31T23:00:00-05:00` is already in the
+/// year 10000 in UTC, which the database would store but not hand back).
+fn collected_at_in_range(at: time::OffsetDateTime) -> bool {
+    at.checked_to_offset(time::UtcOffset::UTC)
+        .is_some_and(|utc| (1..=9999).contains(&utc.year()))
 }
 
 #[cfg(test)]
@@ -130,5 +145,28 @@ mod tests {
         assert!(check_new_issues(&[issue("  ", 1.0)]).is_err());
         assert!(check_new_issues(&[issue("t", f64::NAN)]).is_err());
         assert!(check_new_issues(&[issue("a\0b", 1.0)]).is_err());
+    }
+
+    #[test]
+    fn collected_at_must_read_back() {
+        use time::macros::datetime;
+        let at = |collected_at| {
+            check_new_issues(&[NewIssue {
+                collected_at: Some(collected_at),
+                ..issue("t", 0.0)
+            }])
+        };
+        assert!(at(datetime!(2026-11-30 08:00 UTC)).is_ok());
+        assert!(at(datetime!(9999-12-31 18:00 -05:00)).is_ok());
+        assert!(at(datetime!(0001-01-01 00:00 UTC)).is_ok());
+        assert!(
+            at(datetime!(9999-12-31 23:00 -05:00)).is_err(),
+            "year 10000 in UTC"
+        );
+        assert!(
+            at(datetime!(0001-01-01 00:30 +01:00)).is_err(),
+            "year 0 in UTC"
+        );
+        assert!(at(datetime!(0000-06-01 00:00 UTC)).is_err());
     }
 }

@@ -193,6 +193,8 @@ fn bad_inputs(pending: i64, done: i64) -> Vec<Bad> {
         ("issues: NUL in title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("a\u{0}b")] })), 422),
         ("issues: lone surrogate in title", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"\\ud800\"}]}"), 400),
         ("issues: collected_at not RFC 3339", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "yesterday" }] })), 422),
+        ("issues: collected_at in the year 10000 in UTC", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "9999-12-31T23:00:00-05:00" }] })), 422),
+        ("issues: collected_at in the year 0", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "0000-06-01T00:00:00Z" }] })), 422),
         ("issues: body over the 1 MiB limit", "POST", "/issues".into(), JSON, huge_issue, 413),
         // ---- GET /issues/{id}
         ("show: id abc", "GET", show("abc"), None, None, 400),

@@ -184,6 +184,52 @@ async fn illegal_raw_sql_is_rejected_and_changes_nothing() {
     assert!(err.as_db_error().is_some());
 }
 
+/// Any writer's `collected_at` must be one the service can read back
+/// (migration 8): `infinity` or the year 10000 would make every read of
+/// the issue fail.
+#[tokio::test]
+async fn a_collected_at_the_service_cannot_read_is_refused_from_raw_sql() {
+    let db = TestDb::new().await;
+    let other = db.raw().await;
+    let before = db.scalar_i64("SELECT count(*) FROM issue").await;
+    for at in [
+        "infinity",
+        "-infinity",
+        "10000-01-01 00:00:00+00",
+        "0001-01-01 00:00:00+01",
+    ] {
+        let err = other
+            .execute(
+                "INSERT INTO issue (title, collected_at) VALUES ('x', $1::text::timestamptz)",
+                &[&at],
+            )
+            .await
+            .unwrap_err();
+        let constraint = err.as_db_error().and_then(|e| e.constraint());
+        assert_eq!(
+            constraint,
+            Some("issue_collected_at_in_range"),
+            "{at}: {err}"
+        );
+    }
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue").await, before);
+    // The bounds themselves are fine, and read back.
+    let id = db.add_issues(1).await[0];
+    other
+        .execute(
+            "UPDATE issue SET collected_at = '9999-12-31 23:59:59+00' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let collected_at: time::OffsetDateTime = other
+        .query_one("SELECT collected_at FROM issue WHERE id = $1", &[&id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(collected_at.year(), 9999);
+}
+
 #[tokio::test]
 async fn inserts_are_logged_as_the_initial_pending() {
     let db = TestDb::new().await;

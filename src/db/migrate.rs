@@ -50,6 +50,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "schedule check",
         sql: include_str!("../../sql/0007_schedule_check.sql"),
     },
+    Migration {
+        version: 8,
+        name: "collected_at range",
+        sql: include_str!("../../sql/0008_collected_at_range.sql"),
+    },
 ];
 
 /// What a migration run did.
