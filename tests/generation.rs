@@ -160,6 +160,76 @@ async fn a_fatal_failure_ends_failed_with_the_reason_and_is_not_retried() {
     service.stop().await.unwrap();
 }
 
+/// Malformed answers fail the attempt and are retried until `max_attempts`
+/// (the contract's rule for "malformed bodies"): a passing fault ends in an
+/// article, a persistent one in `FAILED` with the reason, not fatal.
+#[tokio::test]
+async fn malformed_answers_are_retried_until_max_attempts() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "10").await;
+    db.set("max_attempts", "3").await;
+    let fake = FakeLlm::start(|n, request| {
+        if request.to_string().contains("always garbled") {
+            Reply::Malformed
+        } else if n == 0 {
+            Reply::Custom {
+                status: 200,
+                retry_after: None,
+                body: "<html>502 Bad Gateway</html>".into(),
+            }
+        } else {
+            Reply::Ok(ARTICLE.into())
+        }
+    })
+    .await;
+    let service = db
+        .serve("malformed", llm_writer(&fake, Duration::from_secs(5)))
+        .await;
+    let http = reqwest::Client::new();
+    let passing = db.add_issues(1).await[0];
+    let (status, _) = post_ids(&http, service.addr, &[passing]).await;
+    assert_eq!(status, 202);
+    until_status(&db, &service.hub, 30, passing, "DONE").await;
+
+    let garbled: i64 = db
+        .raw()
+        .await
+        .query_one(
+            "INSERT INTO issue (title) VALUES ('always garbled') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let (status, _) = post_ids(&http, service.addr, &[garbled]).await;
+    assert_eq!(status, 202);
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!(
+            "SELECT processing_status = 'FAILED' AND attempts = 3 FROM issue WHERE id = {garbled}"
+        ),
+    )
+    .await;
+    let row = db
+        .raw()
+        .await
+        .query_one(
+            "SELECT last_error, COALESCE(retry_not_before = 'infinity', false) FROM issue WHERE id = $1",
+            &[&garbled],
+        )
+        .await
+        .unwrap();
+    let reason: String = row.get(0);
+    assert!(reason.contains("malformed response"), "{reason}");
+    assert!(
+        !row.get::<_, bool>(1),
+        "not fatal: an operator's reset retries it"
+    );
+    service.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn failures_written_by_other_systems_are_retried_and_exhausted_ones_stay_failed() {
     let db = TestDb::new().await;

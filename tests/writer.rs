@@ -190,16 +190,16 @@ async fn a_hanging_server_times_out_retryably() {
 }
 
 #[tokio::test]
-async fn a_body_that_is_not_json_is_fatal() {
+async fn a_body_that_is_not_json_fails_the_attempt_and_is_retried() {
     let fake = FakeLlm::start(|_, _| Reply::Malformed).await;
     let err = write_error(&client(&fake.url)).await;
-    assert!(!err.is_retryable(), "{err}");
+    assert!(err.is_retryable(), "{err}");
     assert_eq!(err.kind(), WriteErrorKind::Malformed);
     assert!(err.to_string().contains("malformed response"), "{err}");
 }
 
 #[tokio::test]
-async fn a_completion_without_content_is_fatal() {
+async fn a_completion_without_content_is_malformed_and_retried() {
     let fake = FakeLlm::start(|_, _| Reply::Custom {
         status: 200,
         retry_after: None,
@@ -207,6 +207,7 @@ async fn a_completion_without_content_is_fatal() {
     })
     .await;
     let err = write_error(&client(&fake.url)).await;
+    assert!(err.is_retryable(), "{err}");
     assert_eq!(err.kind(), WriteErrorKind::Malformed);
     assert!(err.to_string().contains("malformed response"), "{err}");
 }
@@ -256,7 +257,7 @@ async fn an_error_relayed_with_200_is_retryable_when_it_says_so() {
             }
             None => {
                 assert!(!err.is_retryable(), "{body}: {err}");
-                assert_eq!(err.kind(), WriteErrorKind::Malformed, "{body}");
+                assert_eq!(err.kind(), WriteErrorKind::BadRequest, "{body}");
             }
         }
     }
@@ -268,9 +269,10 @@ async fn json_cut_short_is_a_retryable_transport_error() {
     let err = error_for_answer(cut_short.into()).await;
     assert!(err.is_retryable(), "{err}");
     assert_eq!(err.kind(), WriteErrorKind::Transport);
-    // An empty body is no answer at all, not one cut short.
+    // An empty body is no answer at all, not one cut short: malformed
+    // (retried as well, until max_attempts).
     let err = error_for_answer(String::new()).await;
-    assert!(!err.is_retryable(), "{err}");
+    assert!(err.is_retryable(), "{err}");
     assert_eq!(err.kind(), WriteErrorKind::Malformed);
 }
 

@@ -114,14 +114,15 @@ impl fmt::Display for WriteErrorKind {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {
     /// Worth another attempt later: 429 (with the server's Retry-After if
-    /// any), 5xx, timeouts, connection errors.
+    /// any), 5xx, timeouts, connection errors, malformed bodies.
     #[error("retryable: {reason}")]
     Retryable {
         kind: WriteErrorKind,
         reason: String,
         retry_after: Option<Duration>,
     },
-    /// Will fail again: other 4xx, a body that does not parse, empty content.
+    /// Will fail again: other 4xx, empty content, an answer cut off or
+    /// filtered.
     #[error("fatal: {reason}")]
     Fatal {
         kind: WriteErrorKind,

@@ -186,12 +186,13 @@ impl OpenAiWriter {
                 .await
                 .map_err(|err| self.transport_error(err))?;
             if !complete {
-                return Err(WriteError::fatal(
+                return Err(WriteError::retryable(
                     WriteErrorKind::Malformed,
                     format!(
                         "malformed response: body larger than {} MiB",
                         MAX_RESPONSE_BYTES >> 20
                     ),
+                    None,
                 ));
             }
             return completion_text(&body, secret);
@@ -367,10 +368,15 @@ pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
 
 /// The text of the first choice of a chat-completions answer.
 fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteError> {
+    // Malformed answers fail the attempt and are retried until
+    // `max_attempts`, as the contract says: a gateway's HTML page or a
+    // garbled reply is usually a passing fault, and the retry budget bounds
+    // the cost when it is not.
     let malformed = |what: String| {
-        WriteError::fatal(
+        WriteError::retryable(
             WriteErrorKind::Malformed,
             format!("malformed response: {what}"),
+            None,
         )
     };
     let value: Value = serde_json::from_slice(body).map_err(|err| {
@@ -396,9 +402,11 @@ fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteErr
                         format!("no choices, error: {}", snippet(message.as_bytes(), secret));
                     // Gateways relay an upstream's rate limit or outage this way,
                     // with HTTP 200.
+                    // Any other error (a model that does not exist, a bad
+                    // parameter) is the request's fault, as a 4xx would be.
                     match error_in_body_kind(&value) {
                         Some(kind) => WriteError::retryable(kind, what, None),
-                        None => malformed(what),
+                        None => WriteError::fatal(WriteErrorKind::BadRequest, what),
                     }
                 }
                 None => malformed("no choices".to_string()),
@@ -794,10 +802,14 @@ mod tests {
     }
 
     #[test]
-    fn completion_text_failures_are_fatal() {
+    fn completion_text_failures_are_retried_unless_empty_or_refused() {
         let kind_and_reason = |body: &[u8]| {
             let err = completion_text(body, Some("sk-secret")).unwrap_err();
-            assert!(!err.is_retryable());
+            assert_eq!(
+                err.is_retryable(),
+                err.kind() == WriteErrorKind::Malformed,
+                "malformed answers, and only they, are retried: {err}"
+            );
             (err.kind(), err.reason().to_string())
         };
         let (kind, reason) = kind_and_reason(b"<html>sk-secret oops</html>");
@@ -818,7 +830,8 @@ mod tests {
             assert_eq!(kind, WriteErrorKind::Malformed, "{reason}");
             assert!(reason.starts_with("malformed response: "), "{reason}");
         }
-        let (_, reason) = kind_and_reason(br#"{"error":{"message":"model not found"}}"#);
+        let (kind, reason) = kind_and_reason(br#"{"error":{"message":"model not found"}}"#);
+        assert_eq!(kind, WriteErrorKind::BadRequest, "{reason}");
         assert!(reason.ends_with("error: model not found"), "{reason}");
 
         for body in [
