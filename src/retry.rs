@@ -66,11 +66,19 @@ impl RetryScheduler {
         let mut leftovers_again = self
             .look_for_leftovers(&mut state, &mut leftovers_backoff)
             .await;
+        // A raised `max_attempts` gives exhausted issues attempts again:
+        // every settings change is followed by another search.
+        let mut settings_changed = self.hub.settings_changed();
+        settings_changed.borrow_and_update();
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return,
                 _ = async { leftovers_again.as_mut().expect("guarded").await }, if leftovers_again.is_some() => {
+                    leftovers_again = self.look_for_leftovers(&mut state, &mut leftovers_backoff).await;
+                }
+                Ok(()) = settings_changed.changed() => {
+                    leftovers_backoff = RECHECK_AFTER_ERROR;
                     leftovers_again = self.look_for_leftovers(&mut state, &mut leftovers_backoff).await;
                 }
                 next = stream.next_through_outages() => match next {

@@ -230,6 +230,45 @@ async fn malformed_answers_are_retried_until_max_attempts() {
     service.stop().await.unwrap();
 }
 
+/// Raising `max_attempts` at run time gives exhausted issues their new
+/// attempts without a restart.
+#[tokio::test]
+async fn raising_max_attempts_retries_exhausted_issues() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "10").await;
+    db.set("max_attempts", "1").await;
+    let fake = FakeLlm::start(|n, _| {
+        if n == 0 {
+            Reply::ServerError
+        } else {
+            Reply::Ok(ARTICLE.into())
+        }
+    })
+    .await;
+    let service = db
+        .serve("raise", llm_writer(&fake, Duration::from_secs(5)))
+        .await;
+    let id = db.add_issues(1).await[0];
+    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &[id]).await;
+    assert_eq!(status, 202);
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        &format!("SELECT processing_status = 'FAILED' AND attempts = 1 FROM issue WHERE id = {id}"),
+    )
+    .await;
+    assert_eq!(
+        fake.requests(),
+        1,
+        "exhausted: not retried at max_attempts 1"
+    );
+    db.set("max_attempts", "2").await;
+    until_status(&db, &service.hub, 30, id, "DONE").await;
+    assert_eq!(fake.requests(), 2);
+    service.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn failures_written_by_other_systems_are_retried_and_exhausted_ones_stay_failed() {
     let db = TestDb::new().await;
