@@ -302,7 +302,7 @@ async fn generate(
         );
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
         answered.store(true, Ordering::Relaxed);
-        record(&pool, &completer, &claimed, result).await
+        record_patiently(&pool, &completer, &claimed, result, lease).await
     };
     tokio::pin!(work);
     // The heartbeat keeps the lease until the outcome is recorded. A lost
@@ -355,6 +355,37 @@ async fn generate(
             if let Err(e) = released.await {
                 tracing::warn!(issue = claimed.id, error = %e, "could not record the failure either; the lease will return the issue");
             }
+        }
+    }
+}
+
+/// Pauses between tries of [`record_patiently`]: from the first, doubling
+/// up to the last.
+const RECORD_RETRY_PAUSES: (Duration, Duration) =
+    (Duration::from_millis(250), Duration::from_secs(5));
+
+/// [`record`], tried again on a passing database fault (no connection, a
+/// connection lost) for up to a lease. The write is fenced by the claim, so
+/// trying again is safe, and the heartbeat keeps the claim meanwhile;
+/// giving up at the first fault threw a written article away and left the
+/// issue to its lease.
+async fn record_patiently(
+    pool: &DbPool,
+    completer: &Completer,
+    claimed: &ClaimedIssue,
+    result: Result<crate::writer::Article, crate::writer::WriteError>,
+    lease: Duration,
+) -> Result<Generated, DbError> {
+    let give_up_at = tokio::time::Instant::now() + lease;
+    let (mut pause, longest) = RECORD_RETRY_PAUSES;
+    loop {
+        match record(pool, completer, claimed, result.clone()).await {
+            Err(e) if e.is_transient() && tokio::time::Instant::now() + pause < give_up_at => {
+                tracing::warn!(issue = claimed.id, error = %e, retry_in = ?pause, "cannot record the outcome yet; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(longest);
+            }
+            outcome => return outcome,
         }
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::gate::DbGate;
 use common::process::ServeProcess;
 use common::{until_sql, until_status, within, TestDb};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
@@ -638,47 +639,15 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
     use newsnack::retry::RetryScheduler;
     use newsnack::settings::SettingsCache;
     use newsnack::worker::Generator;
-    use tokio::net::{TcpListener, TcpStream};
-    use tokio::sync::watch;
 
     let db = TestDb::new().await;
     db.set("retry_backoff_ms", "1").await;
     let id = db.add_issues(1).await[0];
     db.move_with_sql(&[id], &["IN_PROGRESS", "FAILED"]).await;
 
-    // The gate: while closed, it hangs up on every connection (and counts
-    // them); once open, it relays to the database.
-    let gate = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gate_port = gate.local_addr().unwrap().port();
-    let server = match db.config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(host)) => {
-            format!("{host}:{}", db.config.get_ports()[0])
-        }
-        other => panic!("the test cluster listens on TCP, not {other:?}"),
-    };
-    let (open_tx, open) = watch::channel(false);
-    let (turned_away_tx, mut turned_away) = watch::channel(0u32);
-    tokio::spawn(async move {
-        loop {
-            let (mut inbound, _) = gate.accept().await.unwrap();
-            if !*open.borrow() {
-                drop(inbound);
-                turned_away_tx.send_modify(|n| *n += 1);
-                continue;
-            }
-            let server = server.clone();
-            tokio::spawn(async move {
-                let mut outbound = TcpStream::connect(server).await.unwrap();
-                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-            });
-        }
-    });
-    let port = db.config.get_ports()[0];
-    let gated_url = db
-        .url
-        .replace(&format!(":{port}/"), &format!(":{gate_port}/"));
-    assert_ne!(gated_url, db.url);
-    let gated = newsnack::db::pg_config(&gated_url, "gated").unwrap();
+    // The database is out of reach until the gate opens.
+    let gate = DbGate::start(&db, false).await;
+    let gated = newsnack::db::pg_config(&gate.url, "gated").unwrap();
     let pool = newsnack::db::pool(gated, &newsnack::db::PoolOptions::default()).unwrap();
 
     let stop = tokio_util::sync::CancellationToken::new();
@@ -709,14 +678,8 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
         }
         .run(stop.clone()),
     );
-    within(
-        30,
-        "the first look to be turned away",
-        turned_away.wait_for(|n| *n > 0),
-    )
-    .await
-    .unwrap();
-    open_tx.send_replace(true);
+    gate.until_turned_away(1).await;
+    gate.open();
     tokio::spawn(generator.run(stop.clone()));
     until_status(&db, &hub, 30, id, "DONE").await;
     assert_eq!(
@@ -726,6 +689,105 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
         .await,
         2
     );
+    stop.cancel();
+}
+
+/// An article written while the database is briefly out of reach is
+/// recorded once it is back, within the same attempt: the fenced write is
+/// tried again (the heartbeat keeps the claim meanwhile) instead of the
+/// article being thrown away and the issue left to its lease.
+#[tokio::test]
+async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
+    use newsnack::claim::Claimer;
+    use newsnack::db::issue::ClaimScope;
+    use newsnack::settings::SettingsCache;
+    use newsnack::worker::Generator;
+    use tokio::sync::watch;
+
+    /// Answers once `release` turns true; counts the calls in `called`.
+    struct HeldWriter {
+        called: watch::Sender<u32>,
+        release: watch::Receiver<bool>,
+    }
+    impl writer::Writer for HeldWriter {
+        fn name(&self) -> &str {
+            "held"
+        }
+        fn write<'a>(
+            &'a self,
+            issue: writer::IssueText<'a>,
+        ) -> futures::future::BoxFuture<'a, Result<writer::Article, writer::WriteError>> {
+            Box::pin(async move {
+                self.called.send_modify(|n| *n += 1);
+                let mut release = self.release.clone();
+                release.wait_for(|go| *go).await.unwrap();
+                OfflineWriter.write(issue).await
+            })
+        }
+    }
+
+    let db = TestDb::new().await;
+    // A lease far longer than the test: only the retried write can finish it.
+    db.set("lease_s", "600").await;
+    let id = db.add_issues(1).await[0];
+    let gate = DbGate::start(&db, true).await;
+    let gated = newsnack::db::pg_config(&gate.url, "gated").unwrap();
+    let pool = newsnack::db::pool(gated, &newsnack::db::PoolOptions::default()).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (hub, _listener) = newsnack::listener::Listener::start(
+        db.config.clone(),
+        db.pool.clone(),
+        Default::default(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let settings = Arc::new(SettingsCache::new(db.pool.clone(), hub.settings_changed()));
+    let (called, mut calls) = watch::channel(0u32);
+    let (release, held) = watch::channel(false);
+    let (generator, handle) = Generator::new(
+        pool.clone(),
+        Arc::new(HeldWriter {
+            called,
+            release: held,
+        }),
+        settings,
+        hub.settings_changed(),
+        Duration::from_secs(5),
+    );
+    tokio::spawn(generator.run(stop.clone()));
+    let claimed = Claimer::start(pool.clone(), "gated".into(), 1)
+        .claim(vec![id], Duration::from_secs(600), ClaimScope::Claimable)
+        .await
+        .unwrap()
+        .claimed;
+    assert_eq!(claimed.len(), 1);
+    handle.submit(claimed).await;
+    within(30, "the writer to be called", calls.wait_for(|n| *n == 1))
+        .await
+        .unwrap();
+
+    // The database goes out of reach while the article is being written.
+    gate.close();
+    release.send_replace(true);
+    gate.until_turned_away(2).await;
+    gate.open();
+
+    until_status(&db, &hub, 30, id, "DONE").await;
+    let row = db
+        .pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT attempts, (SELECT count(*) FROM ai_article WHERE issue_id = $1)
+               FROM issue WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1, "recorded within the first attempt");
+    assert_eq!(row.get::<_, i64>(1), 1, "exactly one article");
     stop.cancel();
 }
 

@@ -49,6 +49,31 @@ impl DbError {
         }
     }
 
+    /// True for a fault that may pass by itself: no connection in time, a
+    /// connection that could not be made or was lost, a server shutting
+    /// down or out of resources, a serialisation failure or deadlock. Not
+    /// for a statement the server refused on its merits.
+    pub fn is_transient(&self) -> bool {
+        fn server_says_transient(e: &tokio_postgres::Error) -> bool {
+            match e.code() {
+                // No SQLSTATE: the connection failed or was lost.
+                None => true,
+                Some(code) => {
+                    let code = code.code();
+                    ["08", "53", "57P", "40001", "40P01"]
+                        .iter()
+                        .any(|prefix| code.starts_with(prefix))
+                }
+            }
+        }
+        match self {
+            DbError::Pool(deadpool_postgres::PoolError::Timeout(_)) => true,
+            DbError::Pool(deadpool_postgres::PoolError::Backend(e)) => server_says_transient(e),
+            DbError::Postgres(e) => server_says_transient(e),
+            _ => false,
+        }
+    }
+
     /// True when the pool could not hand out a connection in time.
     pub fn is_pool_exhausted(&self) -> bool {
         matches!(

@@ -7,6 +7,7 @@
 
 pub mod audit;
 pub mod fake_llm;
+pub mod gate;
 pub mod process;
 pub mod subscribers;
 
