@@ -68,6 +68,10 @@ pub enum PipelineError {
     Db(#[from] DbError),
 }
 
+/// Pauses between claims of the targets a run's first claim skipped: from
+/// the first, doubling up to the last.
+const STRAGGLER_PAUSES: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
+
 /// Everything a run needs.
 #[derive(Clone)]
 pub struct Pipeline {
@@ -200,23 +204,19 @@ impl Pipeline {
         // (attempts left, any `Retry-After` passed); a failed one not due
         // yet is claimed by a retry scheduler when it is, and the wait
         // covers it all the same.
+        let mut stragglers = Vec::new();
         for (ids, scope) in [
-            (pending, ClaimScope::Claimable),
+            (pending, ClaimScope::Pending),
             (failed, ClaimScope::RetryBelow(settings.max_attempts as i32)),
         ] {
             if ids.is_empty() {
                 continue;
             }
-            let mut claimed = self.claimer.claim(ids, settings.lease(), scope).await?;
-            record.claimed.extend(claimed.claimed_ids());
-            self.generator
-                .submit(std::mem::take(&mut claimed.claimed))
-                .await;
+            let skipped = self.claim(ids, scope, settings, record).await?;
+            if scope == ClaimScope::Pending {
+                stragglers = skipped;
+            }
         }
-        // In target order (hottest first).
-        record
-            .claimed
-            .sort_by_key(|id| targets.iter().position(|t| t == id));
 
         let request = WaitRequest {
             issue_ids: targets.clone(),
@@ -224,7 +224,16 @@ impl Pipeline {
             min_completion: settings.content_gen_min_completion.max(0) as usize,
             max_attempts: settings.max_attempts as i32,
         };
-        let report = match wait::smart_wait(&self.hub, request, stop).await {
+        let waited = tokio::select! {
+            biased;
+            waited = wait::smart_wait(&self.hub, request, stop) => waited,
+            never = self.claim_stragglers(stragglers, settings, record) => match never {},
+        };
+        // In target order (hottest first).
+        record
+            .claimed
+            .sort_by_key(|id| targets.iter().position(|t| t == id));
+        let report = match waited {
             Ok(report) => report,
             Err(e) => {
                 record.outcome = if matches!(e, WaitError::ShuttingDown) {
@@ -257,6 +266,60 @@ impl Pipeline {
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// Claims `ids` and hands what it got to the generator; the ids it
+    /// skipped, neither claimed nor `DONE`.
+    async fn claim(
+        &self,
+        ids: Vec<i64>,
+        scope: ClaimScope,
+        settings: &Settings,
+        record: &mut RunRecord,
+    ) -> Result<Vec<i64>, PipelineError> {
+        let mut outcome = self.claimer.claim(ids, settings.lease(), scope).await?;
+        record.claimed.extend(outcome.claimed_ids());
+        self.generator
+            .submit(std::mem::take(&mut outcome.claimed))
+            .await;
+        Ok(outcome.skipped)
+    }
+
+    /// Claims again, with backoff, the new targets the first claim skipped
+    /// (until the wait ends, which drops this future). A `PENDING` issue is
+    /// skipped when another session holds its row lock: another system's
+    /// UPDATE, say. Nothing else claims a new issue, so without this the
+    /// wait would sit out its timeout on it. One claimed by someone else
+    /// meanwhile is no longer `PENDING`: claiming it again takes nothing.
+    async fn claim_stragglers(
+        &self,
+        mut ids: Vec<i64>,
+        settings: &Settings,
+        record: &mut RunRecord,
+    ) -> std::convert::Infallible {
+        let mut pause = STRAGGLER_PAUSES.0;
+        loop {
+            if ids.is_empty() {
+                return std::future::pending().await;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(STRAGGLER_PAUSES.1);
+            match self
+                .claim(ids.clone(), ClaimScope::Pending, settings, record)
+                .await
+            {
+                Ok(skipped) => {
+                    if skipped.len() < ids.len() {
+                        tracing::info!(
+                            claimed = ids.len() - skipped.len(),
+                            "claimed targets a first claim skipped"
+                        );
+                    }
+                    ids = skipped;
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot claim skipped targets yet"),
+            }
+        }
     }
 
     /// Publishes the briefing (when `publish`) and records the outcome (see

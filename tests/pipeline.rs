@@ -130,6 +130,53 @@ async fn a_run_leaves_issues_failed_beyond_its_reach_alone() {
     }
 }
 
+/// A new target whose row another session has locked when the run claims
+/// (another system's UPDATE in an open transaction) is skipped by `SKIP
+/// LOCKED`; the run claims it again once the lock is gone, rather than
+/// wait out its timeout on an issue nobody would claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_locked_by_another_session_is_claimed_once_released() {
+    let db = TestDb::new().await;
+    db.set("content_gen_timeout_s", "60").await;
+    let ids = scored_issues(&db, &[4.0, 3.0, 2.0, 1.0]).await;
+    let locked = ids[0];
+    let mut other = db.raw().await;
+    let transaction = other.transaction().await.unwrap();
+    transaction
+        .execute("UPDATE issue SET score = 5.0 WHERE id = $1", &[&locked])
+        .await
+        .unwrap();
+    let (hub, stop) = db.listener().await;
+    let url = db.url.clone();
+    let run = tokio::task::spawn_blocking(move || newsnack_at(&url, &["run-pipeline"], None));
+    // The others are claimed and written while the row is locked.
+    until_sql(
+        &db,
+        &hub,
+        30,
+        &format!(
+            "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE' AND id <> {locked}"
+        ),
+    )
+    .await;
+    transaction.commit().await.unwrap();
+    // Well before its 60 s timeout.
+    let out = within(30, "the run", run).await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["outcome"], "all_pass", "{summary}");
+    assert_eq!(
+        summary["completed"].as_array().unwrap().len(),
+        4,
+        "{summary}"
+    );
+    stop.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_selects_the_hottest_generates_waits_and_publishes_a_briefing() {
     let db = TestDb::new().await;

@@ -87,6 +87,9 @@ impl ClaimOutcome {
 pub enum ClaimScope {
     /// `PENDING` or `FAILED`, whatever the attempts so far: an explicit request.
     Claimable,
+    /// Only `PENDING` issues: a pipeline run's new targets (one that failed
+    /// since it was selected is left to the retry rules).
+    Pending,
     /// Only `FAILED` issues with fewer than this many attempts whose
     /// `retry_not_before` has passed: an automatic retry.
     RetryBelow(i32),
@@ -198,6 +201,8 @@ pub const CLAIM_STATEMENT: &str = "WITH claimable AS MATERIALIZED (
           WHERE i.id = ANY($1::bigint[])
             AND CASE WHEN $4::integer IS NULL
                      THEN i.processing_status IN ('PENDING', 'FAILED')
+                     WHEN $4::integer < 0
+                     THEN i.processing_status = 'PENDING'
                      ELSE i.processing_status = 'FAILED' AND i.attempts < $4::integer
                           AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
                 END
@@ -239,8 +244,11 @@ pub async fn claim_issues(
     scope: ClaimScope,
 ) -> Result<ClaimOutcome, DbError> {
     let statement = client.prepare_cached(CLAIM_STATEMENT).await?;
+    // The scope as the statement's $4: NULL, -1 (pending only) or the
+    // attempts bound of a retry.
     let retry_below: Option<i32> = match scope {
         ClaimScope::Claimable => None,
+        ClaimScope::Pending => Some(-1),
         ClaimScope::RetryBelow(max) => Some(max),
     };
     let rows = client
