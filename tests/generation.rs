@@ -186,33 +186,11 @@ async fn malformed_answers_are_retried_until_max_attempts() {
     let service = db
         .serve("malformed", llm_writer(&fake, Duration::from_secs(5)))
         .await;
-    let http = reqwest::Client::new();
-    let passing = db.add_issues(1).await[0];
-    let (status, _) = post_ids(&http, service.addr, &[passing]).await;
-    assert_eq!(status, 202);
+    let passing = post_new_issues(&db, service.addr, 1).await[0];
     until_status(&db, &service.hub, 30, passing, "DONE").await;
 
-    let garbled: i64 = db
-        .raw()
-        .await
-        .query_one(
-            "INSERT INTO issue (title) VALUES ('always garbled') RETURNING id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let (status, _) = post_ids(&http, service.addr, &[garbled]).await;
-    assert_eq!(status, 202);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!(
-            "SELECT processing_status = 'FAILED' AND attempts = 3 FROM issue WHERE id = {garbled}"
-        ),
-    )
-    .await;
+    let garbled = post_issue_titled(&db, service.addr, "always garbled").await;
+    until_failed_after(&db, &service.hub, garbled, 3).await;
     let row = db
         .raw()
         .await
@@ -249,16 +227,8 @@ async fn raising_max_attempts_retries_exhausted_issues() {
     let service = db
         .serve("raise", llm_writer(&fake, Duration::from_secs(5)))
         .await;
-    let id = db.add_issues(1).await[0];
-    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &[id]).await;
-    assert_eq!(status, 202);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!("SELECT processing_status = 'FAILED' AND attempts = 1 FROM issue WHERE id = {id}"),
-    )
-    .await;
+    let id = post_new_issues(&db, service.addr, 1).await[0];
+    until_failed_after(&db, &service.hub, id, 1).await;
     assert_eq!(
         fake.requests(),
         1,
@@ -303,25 +273,8 @@ async fn failures_written_by_other_systems_are_retried_and_exhausted_ones_stay_f
     .unwrap();
     until_status(&db, &service.hub, 30, theirs, "DONE").await;
 
-    let broken: i64 = sql
-        .query_one(
-            "INSERT INTO issue (title) VALUES ('always broken') RETURNING id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &[broken]).await;
-    assert_eq!(status, 202);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        &format!(
-            "SELECT processing_status = 'FAILED' AND attempts = 2 FROM issue WHERE id = {broken}"
-        ),
-    )
-    .await;
+    let broken = post_issue_titled(&db, service.addr, "always broken").await;
+    until_failed_after(&db, &service.hub, broken, 2).await;
     // Exhausted: nothing more happens to it until an operator resets it.
     let logged = db
         .scalar_i64(&format!(
@@ -330,6 +283,60 @@ async fn failures_written_by_other_systems_are_retried_and_exhausted_ones_stay_f
         .await;
     assert_eq!(logged, 5, "PENDING, 2 x (IN_PROGRESS, FAILED)");
     service.stop().await.unwrap();
+}
+
+/// Adds `n` issues and claims them through `POST /ai-articles`.
+async fn post_new_issues(db: &TestDb, addr: std::net::SocketAddr, n: usize) -> Vec<i64> {
+    let ids = db.add_issues(n).await;
+    let (status, body) = post_ids(&reqwest::Client::new(), addr, &ids).await;
+    assert_eq!(status, 202, "{body}");
+    ids
+}
+
+/// Adds an issue titled `title` and claims it through `POST /ai-articles`.
+async fn post_issue_titled(db: &TestDb, addr: std::net::SocketAddr, title: &str) -> i64 {
+    let id: i64 = db
+        .raw()
+        .await
+        .query_one(
+            "INSERT INTO issue (title) VALUES ($1) RETURNING id",
+            &[&title],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let (status, body) = post_ids(&reqwest::Client::new(), addr, &[id]).await;
+    assert_eq!(status, 202, "{body}");
+    id
+}
+
+/// Waits until issue `id` is `FAILED` after `attempts` attempts.
+async fn until_failed_after(
+    db: &TestDb,
+    hub: &newsnack::listener::TransitionHub,
+    id: i64,
+    attempts: i32,
+) {
+    until_sql(
+        db,
+        hub,
+        30,
+        &format!(
+            "SELECT processing_status = 'FAILED' AND attempts = {attempts} FROM issue WHERE id = {id}"
+        ),
+    )
+    .await;
+}
+
+/// Waits until every issue in the database is `DONE`.
+async fn until_all_done(db: &TestDb, hub: &newsnack::listener::TransitionHub) {
+    until_sql(
+        db,
+        hub,
+        60,
+        "SELECT bool_and(processing_status = 'DONE') FROM issue",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -344,16 +351,8 @@ async fn the_llm_concurrency_cap_follows_the_setting() {
     let service = db
         .serve("cap", llm_writer(&fake, Duration::from_secs(5)))
         .await;
-    let ids = db.add_issues(12).await;
-    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
-    assert_eq!(status, 202);
-    until_sql(
-        &db,
-        &service.hub,
-        60,
-        "SELECT count(*) = 12 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    post_new_issues(&db, service.addr, 12).await;
+    until_all_done(&db, &service.hub).await;
     assert_eq!(
         fake.max_in_flight(),
         2,
@@ -390,22 +389,14 @@ async fn a_lower_llm_cap_applies_to_the_calls_already_queued() {
     let service = db
         .serve("cap-shrink", llm_writer(&fake, Duration::from_secs(10)))
         .await;
-    let ids = db.add_issues(12).await;
-    let (status, _) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
-    assert_eq!(status, 202);
+    post_new_issues(&db, service.addr, 12).await;
     arrivals.wait_for(|count| *count >= 4).await.unwrap();
     let mut changed = service.hub.settings_changed();
     changed.borrow_and_update();
     db.set("generation_concurrency", "1").await;
     changed.changed().await.unwrap();
     open.send(true).unwrap();
-    until_sql(
-        &db,
-        &service.hub,
-        60,
-        "SELECT count(*) = 12 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_all_done(&db, &service.hub).await;
     let seen = fake.in_flight_at_arrival();
     assert_eq!(seen.len(), 12, "one call per issue: {seen:?}");
     assert_eq!(&seen[..4], &[1, 2, 3, 4], "four at first: {seen:?}");
