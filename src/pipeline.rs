@@ -282,7 +282,12 @@ impl Pipeline {
         self.generator
             .submit(std::mem::take(&mut outcome.claimed))
             .await;
-        Ok(outcome.skipped)
+        let done = std::mem::take(&mut outcome.done);
+        Ok(outcome
+            .skipped
+            .into_iter()
+            .filter(|id| done.binary_search(id).is_err())
+            .collect())
     }
 
     /// Claims again, with backoff, the new targets the first claim skipped
