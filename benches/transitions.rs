@@ -84,28 +84,16 @@ async fn main() {
     for _ in 0..ROUNDS {
         on += claim_rate(&pool, Path::Claimer, round_length).await / ROUNDS as f64;
         direct_on += claim_rate(&pool, Path::Direct, round_length).await / ROUNDS as f64;
-        migrator
-            .batch_execute("ALTER TABLE issue DISABLE TRIGGER USER")
-            .await
-            .unwrap();
+        set_triggers(&migrator, "USER", false).await;
         off += claim_rate(&pool, Path::Claimer, round_length).await / ROUNDS as f64;
         direct_off += claim_rate(&pool, Path::Direct, round_length).await / ROUNDS as f64;
-        migrator
-            .batch_execute("ALTER TABLE issue ENABLE TRIGGER USER")
-            .await
-            .unwrap();
+        set_triggers(&migrator, "USER", true).await;
     }
     let pgbench = pgbench_tps(&cluster, seconds);
     let ceiling_on = claim_ceiling(&cluster, &migrator, seconds).await;
-    migrator
-        .batch_execute("ALTER TABLE issue DISABLE TRIGGER issue_transition_on_update")
-        .await
-        .unwrap();
+    set_triggers(&migrator, "issue_transition_on_update", false).await;
     let ceiling_off = claim_ceiling(&cluster, &migrator, seconds).await;
-    migrator
-        .batch_execute("ALTER TABLE issue ENABLE TRIGGER issue_transition_on_update")
-        .await
-        .unwrap();
+    set_triggers(&migrator, "issue_transition_on_update", true).await;
 
     let ratio_vs_pgbench = on / pgbench;
     let trigger_cost = 1.0 - on / off;
@@ -278,6 +266,15 @@ fn run_pgbench(cluster: &EmbeddedPostgres, args: &[&str]) -> f64 {
                 .and_then(|n| n.parse().ok())
         })
         .unwrap_or_else(|| panic!("no tps in pgbench output: {out}"))
+}
+
+/// Enables or disables `which` of the issue table's triggers (`USER`: all).
+async fn set_triggers(client: &tokio_postgres::Client, which: &str, on: bool) {
+    let verb = if on { "ENABLE" } else { "DISABLE" };
+    client
+        .batch_execute(&format!("ALTER TABLE issue {verb} TRIGGER {which}"))
+        .await
+        .unwrap();
 }
 
 /// Claims per second when `pgbench` runs the service's claim statement

@@ -13,8 +13,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use common::{within, TestDb};
-use newsnack::listener::TransitionHub;
+use common::{until_published, within, TestDb};
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -238,18 +237,6 @@ async fn insert(sql: &Client, n: i32) -> Vec<i64> {
     .iter()
     .map(|r| r.get(0))
     .collect()
-}
-
-/// Waits until the listener has published `seq`.
-async fn until_published(hub: &TransitionHub, seq: i64) {
-    let mut status = hub.status();
-    within(
-        60,
-        "the listener to publish everything",
-        status.wait_for(|s| s.last_seq >= seq),
-    )
-    .await
-    .expect("the listener is running");
 }
 
 /// How many transitions surely overflow what a stalled connection absorbs

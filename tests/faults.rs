@@ -23,7 +23,7 @@ use common::audit::{post_wait, Audit, AuditReport, WaitRecord, WaitSpec};
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
 use common::subscribers::Recording;
-use common::{until_sql, within, TestDb};
+use common::{until_published, until_sql, within, TestDb};
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::listener::{Listener, ListenerOptions, ListenerStatus, TransitionHub};
@@ -1065,10 +1065,7 @@ async fn the_audit_finds_a_subscriber_that_loses_or_repeats_events() {
     )
     .await;
     let newest = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
-    until_listener(&hub, 30, "the listener to publish everything", |s| {
-        s.last_seq >= newest
-    })
-    .await;
+    until_published(&hub, newest).await;
 
     // Broken: reads the live feed and shrugs off the lag notice.
     let (lossy, record_lossy) = Recording::fed_by_hand("ignores-lag", start);

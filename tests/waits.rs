@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{within, TestDb};
+use common::{until_published, within, TestDb};
 use newsnack::listener::ListenerOptions;
 use newsnack::wait::{smart_wait, ArmedWait, WaitOutcome, WaitRequest};
 use tokio_postgres::Client;
@@ -105,14 +105,7 @@ async fn a_failed_log_read_does_not_end_a_wait() {
         .await
         .unwrap()
         .get(0);
-    let mut published = hub.status();
-    within(
-        30,
-        "the listener to publish the burst",
-        published.wait_for(|s| s.last_seq >= last),
-    )
-    .await
-    .unwrap();
+    until_published(&hub, last).await;
     let cancel = CancellationToken::new();
     let mut waiting = tokio::spawn(async move { armed.outcome(&cancel).await });
     // Several 100 ms pool timeouts go by: the wait must still be waiting.

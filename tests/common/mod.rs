@@ -348,6 +348,18 @@ pub async fn within<T>(secs: u64, what: &str, fut: impl std::future::Future<Outp
         .unwrap_or_else(|_| panic!("timed out after {secs}s waiting for {what}"))
 }
 
+/// Waits until the listener has published `seq`.
+pub async fn until_published(hub: &TransitionHub, seq: i64) {
+    let mut status = hub.status();
+    within(
+        60,
+        "the listener to publish everything",
+        status.wait_for(|s| s.last_seq >= seq),
+    )
+    .await
+    .expect("the listener is running");
+}
+
 /// Rows `statement` read from `table`, by scanning it or as entries of its
 /// indexes, every loop counted: from `EXPLAIN (ANALYZE, FORMAT JSON)`, so
 /// run for real, inside a transaction that is rolled back.
