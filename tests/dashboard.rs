@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 
+use common::gate::Relay;
 use common::{until_sql, within, TestDb};
 use newsnack::db;
 use newsnack::db::pipeline_run::RunRecord;
@@ -441,4 +442,55 @@ async fn a_headless_browser_sees_a_raw_sql_change_without_a_reload() {
     );
     assert!(png.len() > 10_000, "the screenshot is suspiciously small");
     service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_page_starts_over_when_the_service_returns_on_a_new_database() {
+    let chromium = require_browser_tools();
+    // The first database has a longer log than the second will ever reach
+    // in this test: 6 issues, 3 of them claimed.
+    let first = TestDb::new().await;
+    let ids = first.add_issues(6).await;
+    first.move_with_sql(&ids[..3], &["IN_PROGRESS"]).await;
+    let second = TestDb::new().await;
+    let fresh = second.add_issues(2).await;
+
+    // The page reaches the service through a relay, as a browser reaches a
+    // restarted service at the same address.
+    let old = first.serve("dash-old", offline()).await;
+    let relay = Relay::start(Some(old.addr.to_string())).await;
+    let (mut browser, _) = Browser::open(&format!("http://{}/", relay.addr), &chromium).await;
+    browser
+        .step(
+            "the first database's counts",
+            json!({ "counts": {"PENDING": 3, "IN_PROGRESS": 3, "total": 6}, "live": true }),
+        )
+        .await;
+
+    // The service comes back on another database.
+    let new = second.serve("dash-new", offline()).await;
+    relay.route(Some(new.addr.to_string()));
+    old.stop().await.unwrap();
+    let shown = browser
+        .step(
+            "the second database's counts",
+            json!({ "counts": {"PENDING": 2, "IN_PROGRESS": 0, "DONE": 0, "FAILED": 0, "total": 2}, "live": true }),
+        )
+        .await;
+    assert_eq!(shown["sameDocument"], json!(true), "the page was reloaded");
+    assert_eq!(shown["stats"]["resets"], json!(1), "{shown:#}");
+
+    // And follows the new log live.
+    second.move_with_sql(&fresh[..1], &["IN_PROGRESS"]).await;
+    browser
+        .step(
+            "a change in the new database",
+            json!({
+                "row": { "issue": fresh[0], "to": "IN_PROGRESS" },
+                "counts": {"PENDING": 1, "IN_PROGRESS": 1, "total": 2},
+            }),
+        )
+        .await;
+    browser.close().await;
+    new.stop().await.unwrap();
 }

@@ -434,6 +434,49 @@ async fn events_carry_seq_as_id_and_the_transition_as_json_filter_replay_and_rej
 }
 
 #[tokio::test]
+async fn a_position_beyond_the_log_starts_at_its_end_with_a_reset_event() {
+    let _shared = EXCLUSIVE.read().await;
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    insert(&sql, 3).await;
+    let service = db.serve("events-reset", offline()).await;
+    let end = *all_seqs(&db).await.last().unwrap();
+    until_published(&service.hub, end).await;
+    let base = format!("http://{}/events", service.addr);
+    let http = reqwest::Client::new();
+
+    // A browser that followed a service now running on a new database comes
+    // back with a Last-Event-ID the log never reached; so may `?since=`.
+    let mut from_header = SseClient::open(&http, &base, Some(end + 1000)).await;
+    let mut from_query = SseClient::open(&http, &format!("{base}?since={}", end + 7), None).await;
+    for (client, requested) in [(&mut from_header, end + 1000), (&mut from_query, end + 7)] {
+        let reset = client.expect(10, "the reset notice").await;
+        assert_eq!(reset.event, "reset", "{reset:?}");
+        assert_eq!(
+            reset.seq(),
+            end,
+            "the notice moves the client's id to the log's end"
+        );
+        let data = reset.json();
+        assert_eq!(data["requested"], requested, "{data}");
+        assert_eq!(data["resume_after"], end, "{data}");
+        assert!(data["reason"].as_str().is_some_and(|r| !r.is_empty()));
+    }
+    // The log's very end is a position like any other: no notice.
+    let mut at_end = SseClient::open(&http, &base, Some(end)).await;
+
+    // What the log gets next reaches all three.
+    let next = insert(&sql, 1).await;
+    for client in [&mut from_header, &mut from_query, &mut at_end] {
+        let event = client.expect(10, "the next transition").await;
+        assert_eq!(event.event, "transition", "{event:?}");
+        assert_eq!(event.seq(), end + 1);
+        assert_eq!(event.json()["issue_id"], next[0]);
+    }
+    service.stop().await.unwrap();
+}
+
+#[tokio::test]
 async fn reconnecting_with_last_event_id_during_a_burst_loses_and_repeats_nothing() {
     let _shared = EXCLUSIVE.read().await;
     let db = TestDb::new().await;

@@ -45,6 +45,19 @@
 //! The same final `dropped` event (with `reason` `"server shutting down"` or
 //! `"transition stream failed"`) ends a stream on shutdown, so graceful
 //! shutdown never waits for SSE clients, and when the log cannot be read.
+//!
+//! A start the log has never reached (a browser that followed a service now
+//! restarted on a new throwaway database, so its `Last-Event-ID` is beyond
+//! the new log) starts at the log's end instead, announced first by
+//!
+//! ```text
+//! id: END
+//! event: reset
+//! data: {"reason":"..","requested":SEQ,"resume_after":END}
+//! ```
+//!
+//! so the client knows to reload what it shows rather than wait for a
+//! position the log may take days to reach.
 //! A comment line is sent every [`KEEP_ALIVE`] (15 s) to keep proxies and
 //! idle-timeouts from closing a quiet stream.
 
@@ -88,6 +101,9 @@ const MAX_CHUNK: usize = 64 * 1024;
 pub const TRANSITION_EVENT: &str = "transition";
 /// The SSE event name of the final event of a stream the server ends.
 pub const DROPPED_EVENT: &str = "dropped";
+/// The SSE event name of the notice that a stream starts at the end of the
+/// log rather than at the position asked for, which the log never reached.
+pub const RESET_EVENT: &str = "reset";
 
 pub fn router() -> Router<AppState> {
     let cache = Arc::new(EventCache::new());
@@ -167,8 +183,13 @@ async fn events(
     let requested = requested_start(&headers, query.since.as_deref())?;
     let head = state.hub.status();
     let newest = head.borrow().last_seq;
-    let start = requested.unwrap_or(newest);
+    let (start, preface) = match requested {
+        None => (newest, None),
+        Some(seq) if seq <= newest => (seq, None),
+        Some(seq) => start_beyond_newest(&state, seq).await,
+    };
     let feed = Feed {
+        preface,
         stream: state.hub.stream_after(start, issue_id),
         cache,
         head,
@@ -195,8 +216,54 @@ async fn events(
     Ok(response)
 }
 
+/// Where a stream asked to start after `requested`, beyond the newest
+/// transition the listener has published, starts, and what it sends first.
+///
+/// Usually the listener is just a moment behind the log (the client had the
+/// position from another instance): the stream starts where asked. But a
+/// position the log has not reached means the log is not the one the
+/// client followed (the service restarted on a new throwaway database, or
+/// the database was restored from an older backup). Waiting for the log to
+/// grow past it would silently skip every transition until then, so the
+/// stream starts at the log's end instead and says so first with a `reset`
+/// event whose `id:` is that end (a browser's `EventSource` resumes from it
+/// from then on).
+async fn start_beyond_newest(state: &AppState, requested: i64) -> (i64, Option<Bytes>) {
+    let end = match state.pool.get().await {
+        Ok(client) => crate::db::transition::last_seq(&**client).await,
+        Err(e) => Err(e.into()),
+    };
+    match end {
+        Ok(end) if requested > end => {
+            tracing::info!(
+                requested,
+                end,
+                "an SSE client asked to resume beyond the log; starting at its end"
+            );
+            (end, Some(reset_event(requested, end)))
+        }
+        Ok(_) => (requested, None),
+        Err(e) => {
+            tracing::warn!(error = %e, requested, "cannot read the end of the log; starting where asked");
+            (requested, None)
+        }
+    }
+}
+
+/// `id: END`, `event: reset`, `data: {"reason":..,"requested":..,"resume_after":END}`.
+fn reset_event(requested: i64, end: i64) -> Bytes {
+    let data = serde_json::json!({
+        "reason": "the log has no transition at the position asked for",
+        "requested": requested,
+        "resume_after": end,
+    });
+    Bytes::from(format!("id: {end}\nevent: {RESET_EVENT}\ndata: {data}\n\n"))
+}
+
 /// One client's stream and what the slow-client policy needs.
 struct Feed {
+    /// Sent before any transition: the `reset` notice, if any.
+    preface: Option<Bytes>,
     stream: TransitionStream,
     cache: Arc<EventCache>,
     /// The listener's state: `last_seq` is the newest published transition.
@@ -219,6 +286,9 @@ impl Feed {
     /// not one per event), or a keep-alive comment; a `dropped` event ends
     /// the stream.
     async fn next_event(&mut self) -> Bytes {
+        if let Some(preface) = self.preface.take() {
+            return preface;
+        }
         let next = tokio::select! {
             biased;
             _ = &mut self.shutdown => return self.end("server shutting down"),

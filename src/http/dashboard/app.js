@@ -4,7 +4,8 @@
 //    latest briefing, all as of one log position `last_seq`.
 // 2. EventSource on /events?since=<last_seq>: every later transition, in
 //    order, with no gap (the browser resumes with Last-Event-ID after a
-//    disconnect or a `dropped` notice).
+//    disconnect or a `dropped` notice). A `reset` notice (the log no longer
+//    reaches what the page shows) starts the page over from a snapshot.
 // Counts move with each event's from/to. Claims, runs and the briefing are
 // re-fetched from /dashboard.json (debounced) when events arrive.
 (function () {
@@ -36,7 +37,7 @@
   };
 
   // Exposed for the browser test and for curious operators.
-  const stats = { events: 0, snapshots: 0, dropped: 0, reconnects: 0 };
+  const stats = { events: 0, snapshots: 0, dropped: 0, reconnects: 0, resets: 0 };
   window.newsnackDashboard = { state, stats };
 
   const $ = (id) => document.getElementById(id);
@@ -449,6 +450,21 @@
         reason = "";
       }
       notice("The stream was ended by the server" + (reason ? " (" + reason + ")" : "") + "; resuming from the log…");
+    });
+    source.addEventListener("reset", () => {
+      // The service's log never reached what this page has shown: it now
+      // runs on another database (a restart on the throwaway default). The
+      // stream goes on from the new log's end; start the page over from a
+      // snapshot of it.
+      stats.resets += 1;
+      state.counts = {};
+      state.countsAsOf = 0;
+      state.shownSeq = 0;
+      state.titles.clear();
+      $("transitions").replaceChildren();
+      $("stream-empty").hidden = false;
+      notice("The service's transition log was replaced (a restart on a new database?); showing the new one.");
+      runRefresh();
     });
     source.addEventListener("error", () => {
       if (source.readyState === EventSource.CLOSED) {
