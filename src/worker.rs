@@ -365,7 +365,8 @@ const RECORD_RETRY_PAUSES: (Duration, Duration) =
     (Duration::from_millis(250), Duration::from_secs(5));
 
 /// [`record`], tried again on a passing database fault (no connection, a
-/// connection lost) for up to a lease. The write is fenced by the claim, so
+/// connection lost, the issue's row held by another transaction) for up to
+/// a lease. The write is fenced by the claim, so
 /// trying again is safe, and the heartbeat keeps the claim meanwhile;
 /// giving up at the first fault threw a written article away and left the
 /// issue to its lease.
@@ -407,10 +408,14 @@ async fn record(
                     body: article.body,
                 })
                 .await?;
-            Ok(match fenced {
-                Fenced::Written => Generated::Done,
-                Fenced::Lost => Generated::ClaimLost,
-            })
+            match fenced {
+                Fenced::Written => Ok(Generated::Done),
+                Fenced::Lost => Ok(Generated::ClaimLost),
+                Fenced::Busy => {
+                    crate::metrics::completion_deferred();
+                    Err(DbError::RowLocked(claimed.id))
+                }
+            }
         }
         Err(e) => {
             let reason = e.to_string();
@@ -426,7 +431,7 @@ async fn record(
                     reason,
                     retryable: e.is_retryable(),
                 },
-                Fenced::Lost => Generated::ClaimLost,
+                Fenced::Lost | Fenced::Busy => Generated::ClaimLost,
             })
         }
     }

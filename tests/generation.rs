@@ -14,6 +14,7 @@ use common::gate::DbGate;
 use common::process::ServeProcess;
 use common::{until_sql, until_status, within, TestDb};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
+use tokio::sync::watch;
 
 fn llm_writer(fake: &FakeLlm, timeout: Duration) -> SharedWriter {
     writer::build(&WriterConfig {
@@ -683,6 +684,119 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
     stop.cancel();
 }
 
+/// Answers once `release` turns true; counts the calls in `called`.
+struct HeldWriter {
+    called: watch::Sender<u32>,
+    release: watch::Receiver<bool>,
+}
+
+impl writer::Writer for HeldWriter {
+    fn name(&self) -> &str {
+        "held"
+    }
+    fn write<'a>(
+        &'a self,
+        issue: writer::IssueText<'a>,
+    ) -> futures::future::BoxFuture<'a, Result<writer::Article, writer::WriteError>> {
+        Box::pin(async move {
+            self.called.send_modify(|n| *n += 1);
+            let mut release = self.release.clone();
+            release.wait_for(|go| *go).await.unwrap();
+            OfflineWriter.write(issue).await
+        })
+    }
+}
+
+/// The service's `newsnack_completions_deferred_total`.
+async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix("newsnack_completions_deferred_total "))
+        .unwrap_or_else(|| panic!("no newsnack_completions_deferred_total in:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// An issue whose row another system holds (a transaction editing it with
+/// plain SQL, left open) holds up its own completion only: the completion
+/// skips the row rather than wait for it, so the other issues' articles are
+/// recorded meanwhile, and it is recorded itself, within the same attempt,
+/// once the row is free. Before, it waited for the row, and every
+/// completion queued behind it waited too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_held_by_another_system_holds_up_only_its_own_completion() {
+    let db = TestDb::new().await;
+    db.set("lease_s", "600").await;
+    let ids = db.add_issues(3).await;
+    let (held, others) = (ids[0], &ids[1..]);
+    let (called, mut calls) = watch::channel(0u32);
+    let (release, released) = watch::channel(false);
+    let writer = HeldWriter {
+        called,
+        release: released,
+    };
+    let service = db.serve("row-held", Arc::new(writer)).await;
+    let deferred_before = completions_deferred(service.addr).await;
+    let http = reqwest::Client::new();
+    let (status, body) = post_ids(&http, service.addr, &[held]).await;
+    assert_eq!(status, 202, "{body}");
+    within(30, "the writer to be called", calls.wait_for(|n| *n == 1))
+        .await
+        .unwrap();
+
+    let mut holder = db.raw().await;
+    let lock = holder.transaction().await.unwrap();
+    lock.execute("UPDATE issue SET score = score + 1 WHERE id = $1", &[&held])
+        .await
+        .unwrap();
+    release.send_replace(true);
+    let sql = db.raw().await;
+    within(30, "the article's recording to meet the held row", async {
+        loop {
+            let waiting: bool = sql
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                                     WHERE datname = current_database() AND wait_event_type = 'Lock')",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting || completions_deferred(service.addr).await > deferred_before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+
+    let (status, body) = post_ids(&http, service.addr, others).await;
+    assert_eq!(status, 202, "{body}");
+    for &id in others {
+        until_status(&db, &service.hub, 10, id, "DONE").await;
+    }
+    assert_eq!(db.status_of(held).await, "IN_PROGRESS");
+    lock.commit().await.unwrap();
+    until_status(&db, &service.hub, 30, held, "DONE").await;
+    let row = sql
+        .query_one(
+            "SELECT (SELECT attempts FROM issue WHERE id = $1),
+                    (SELECT count(*) FROM ai_article WHERE issue_id = ANY($2))",
+            &[&held, &ids],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1, "recorded within the first attempt");
+    assert_eq!(row.get::<_, i64>(1), 3, "one article each");
+    service.stop().await.unwrap();
+}
+
 /// An article written while the database is briefly out of reach is
 /// recorded once it is back, within the same attempt: the fenced write is
 /// tried again (the heartbeat keeps the claim meanwhile) instead of the
@@ -694,28 +808,6 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     use newsnack::settings::SettingsCache;
     use newsnack::worker::Generator;
     use tokio::sync::watch;
-
-    /// Answers once `release` turns true; counts the calls in `called`.
-    struct HeldWriter {
-        called: watch::Sender<u32>,
-        release: watch::Receiver<bool>,
-    }
-    impl writer::Writer for HeldWriter {
-        fn name(&self) -> &str {
-            "held"
-        }
-        fn write<'a>(
-            &'a self,
-            issue: writer::IssueText<'a>,
-        ) -> futures::future::BoxFuture<'a, Result<writer::Article, writer::WriteError>> {
-            Box::pin(async move {
-                self.called.send_modify(|n| *n += 1);
-                let mut release = self.release.clone();
-                release.wait_for(|go| *go).await.unwrap();
-                OfflineWriter.write(issue).await
-            })
-        }
-    }
 
     let db = TestDb::new().await;
     // A lease far longer than the test: only the retried write can finish it.

@@ -1,7 +1,7 @@
 //! Queries on `issue`: adding, reading, counting, claiming (the one
 //! `FOR NO KEY UPDATE SKIP LOCKED` statement), heartbeats and resets.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use deadpool_postgres::GenericClient;
@@ -321,6 +321,9 @@ pub enum Fenced {
     /// The claim was no longer current (reaped, re-claimed, or finished by
     /// someone else): nothing was written.
     Lost,
+    /// Another transaction held the issue's row (a system editing it with
+    /// plain SQL): nothing was written, and nothing waited; try again.
+    Busy,
 }
 
 /// A finished article for a claim, to be recorded as `DONE`.
@@ -337,25 +340,35 @@ pub struct Completion {
 /// ids, headlines and bodies (one element per completion) and the writer.
 /// The ids are also matched with `= ANY($1)`, so that every plan looks them
 /// up by primary key, however few issues the statistics say are in flight.
-/// Public so that tests can check its plan.
+/// Rows another transaction holds are skipped, not waited for: one issue
+/// locked by a system editing it with plain SQL must not hold up every
+/// completion queued behind it. Answers one row per issue it could lock,
+/// with the claim id if it wrote the article, NULL if the claim was no
+/// longer current. Public so that tests can check its plan.
 pub const COMPLETE_STATEMENT: &str = "WITH input AS (
          SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[])
                   AS t(id, claim_id, headline, body)
+     ), free AS MATERIALIZED (
+         SELECT id FROM issue WHERE id = ANY($1::bigint[])
+          ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
      ), done AS (
          UPDATE issue i SET processing_status = 'DONE'
            FROM input
-          WHERE i.id = ANY($1::bigint[]) AND i.id = input.id
+          WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free) AND i.id = input.id
             AND i.claim_id = input.claim_id AND i.processing_status = 'IN_PROGRESS'
       RETURNING i.id, i.claim_id
+     ), written AS (
+         INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
+         SELECT d.id, input.headline, input.body, $5, d.claim_id
+           FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
+      RETURNING issue_id, claim_id
      )
-     INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
-     SELECT d.id, input.headline, input.body, $5, d.claim_id
-       FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
-  RETURNING issue_id, claim_id";
+     SELECT f.id, w.claim_id FROM free f LEFT JOIN written w ON w.issue_id = f.id";
 
 /// Completes claims in one statement (so one transaction): each issue that
 /// is still `IN_PROGRESS` under its very claim is set `DONE` and its article
-/// stored; the others are left alone. Answers in the order given.
+/// stored; the others are left alone, [`Fenced::Busy`] if another
+/// transaction held the row. Answers in the order given.
 pub async fn complete(
     client: &impl GenericClient,
     completions: &[Completion],
@@ -364,7 +377,7 @@ pub async fn complete(
     let statement = client.prepare_cached(COMPLETE_STATEMENT).await?;
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
-    let written: BTreeSet<(i64, i64)> = client
+    let locked: BTreeMap<i64, Option<i64>> = client
         .query(
             &statement,
             &[
@@ -381,12 +394,10 @@ pub async fn complete(
         .collect();
     Ok(completions
         .iter()
-        .map(|c| {
-            if written.contains(&(c.id, c.claim_id)) {
-                Fenced::Written
-            } else {
-                Fenced::Lost
-            }
+        .map(|c| match locked.get(&c.id) {
+            None => Fenced::Busy,
+            Some(written) if *written == Some(c.claim_id) => Fenced::Written,
+            Some(_) => Fenced::Lost,
         })
         .collect())
 }

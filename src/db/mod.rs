@@ -29,6 +29,9 @@ pub enum DbError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("{0}")]
     Invalid(String),
+    /// A write skipped a row another transaction held rather than wait.
+    #[error("issue {0} is locked by another transaction")]
+    RowLocked(i64),
 }
 
 impl DbError {
@@ -51,8 +54,9 @@ impl DbError {
 
     /// True for a fault that may pass by itself: no connection in time, a
     /// connection that could not be made or was lost, a server shutting
-    /// down or out of resources, a serialisation failure or deadlock. Not
-    /// for a statement the server refused on its merits.
+    /// down or out of resources, a serialisation failure or deadlock, a row
+    /// another transaction held. Not for a statement the server refused on
+    /// its merits.
     pub fn is_transient(&self) -> bool {
         fn server_says_transient(e: &tokio_postgres::Error) -> bool {
             match e.code() {
@@ -70,6 +74,7 @@ impl DbError {
             DbError::Pool(deadpool_postgres::PoolError::Timeout(_)) => true,
             DbError::Pool(deadpool_postgres::PoolError::Backend(e)) => server_says_transient(e),
             DbError::Postgres(e) => server_says_transient(e),
+            DbError::RowLocked(_) => true,
             _ => false,
         }
     }
