@@ -15,10 +15,12 @@
 //!
 //! On shutdown the generator stops taking work, lets in-flight generations
 //! finish within a grace period, and releases the rest as `FAILED` with
-//! reason `shutdown` (they are retried by whichever instance remains).
+//! reason `shutdown` (they are retried by whichever instance remains). Those
+//! that never reached the writer (still queued for an LLM slot) get their
+//! attempt back, so restarts do not use up issues' `max_attempts`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +45,9 @@ pub enum Generated {
     /// The claim was lost (reaped or re-claimed) before the outcome was
     /// written; nothing was written.
     ClaimLost,
+    /// Shutdown came before an LLM slot did: nothing was written, and the
+    /// generator releases the claim.
+    NotStarted,
 }
 
 /// Hands claimed issues to the generator. Cheap to clone.
@@ -59,38 +64,50 @@ impl GeneratorHandle {
     /// returns (while the pool is still open), so they do not wait out
     /// their lease.
     pub async fn submit(&self, issues: Vec<ClaimedIssue>) {
-        let mut refused = Vec::new();
+        let mut refused = Unfinished::default();
         for issue in issues {
             if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
-                refused.push((issue.id, issue.claim_id));
+                refused.unstarted.push((issue.id, issue.claim_id));
             }
         }
-        if !refused.is_empty() {
-            release_as_shutdown(self.pool.clone(), refused).await;
-        }
+        release_as_shutdown(self.pool.clone(), refused).await;
     }
 }
 
-/// Marks claims this instance will not generate `FAILED` with reason
-/// `shutdown` (fenced by their claim), to be retried elsewhere. Best effort:
-/// what cannot be written returns with its lease.
-async fn release_as_shutdown(pool: DbPool, claims: Vec<(i64, i64)>) {
-    tracing::info!(
-        count = claims.len(),
-        "releasing unfinished generations as FAILED (shutdown)"
-    );
-    let client = match pool.get().await {
-        Ok(client) => client,
-        Err(e) => {
-            tracing::warn!(error = %e, "could not release; the lease will");
-            return;
+/// Claims (`(id, claim_id)`) this instance gives back on shutdown.
+#[derive(Default)]
+struct Unfinished {
+    /// Generations that reached the writer: their attempt is spent.
+    started: Vec<(i64, i64)>,
+    /// Generations that never did (queued, or waiting for an LLM slot):
+    /// their attempt is given back.
+    unstarted: Vec<(i64, i64)>,
+}
+
+/// Marks claims this instance will not finish `FAILED` with reason
+/// `shutdown` (fenced by their claim), to be retried elsewhere at once.
+/// Best effort: what cannot be written returns with its lease.
+async fn release_as_shutdown(pool: DbPool, unfinished: Unfinished) {
+    for (claims, attempt_spent) in [(unfinished.started, true), (unfinished.unstarted, false)] {
+        if claims.is_empty() {
+            continue;
         }
-    };
-    for (id, claim_id) in claims {
-        if let Err(e) =
-            issue::fail(&client, id, claim_id, "shutdown", RetryPolicy::After(None)).await
-        {
-            tracing::warn!(issue = id, error = %e, "could not release; the lease will");
+        let released = async {
+            let mut client = pool.get().await?;
+            issue::release(&mut client, &claims, "shutdown", attempt_spent).await
+        };
+        match released.await {
+            Ok(n) => tracing::info!(
+                released = n,
+                of = claims.len(),
+                attempt_spent,
+                "released unfinished generations as FAILED (shutdown)"
+            ),
+            Err(e) => tracing::warn!(
+                count = claims.len(),
+                error = %e,
+                "could not release unfinished generations; their lease will"
+            ),
         }
     }
 }
@@ -146,7 +163,7 @@ impl Generator {
         let slots = Arc::new(Slots::new(initial));
         let mut capacity = initial;
         let mut inflight: JoinSet<()> = JoinSet::new();
-        let mut claims: HashMap<tokio::task::Id, (i64, i64)> = HashMap::new();
+        let mut claims: HashMap<tokio::task::Id, InFlight> = HashMap::new();
         loop {
             tokio::select! {
                 biased;
@@ -156,7 +173,10 @@ impl Generator {
                     claims.remove(&id);
                 }
                 Some(claimed) = self.queue.recv() => {
-                    let key = (claimed.id, claimed.claim_id);
+                    let in_flight = InFlight {
+                        claim: (claimed.id, claimed.claim_id),
+                        started: Arc::default(),
+                    };
                     let task = inflight.spawn(generate(
                         self.pool.clone(),
                         self.completer.clone(),
@@ -164,8 +184,9 @@ impl Generator {
                         self.settings.clone(),
                         slots.clone(),
                         claimed,
+                        in_flight.started.clone(),
                     ));
-                    claims.insert(task.id(), key);
+                    claims.insert(task.id(), in_flight);
                 }
                 Ok(()) = self.settings_changed.changed() => {
                     if let Ok(settings) = self.settings.get().await {
@@ -174,18 +195,21 @@ impl Generator {
                 }
             }
         }
-        self.drain(inflight, claims).await;
+        self.drain(&slots, inflight, claims).await;
     }
 
     async fn drain(
         mut self,
+        slots: &Slots,
         mut inflight: JoinSet<()>,
-        mut claims: HashMap<tokio::task::Id, (i64, i64)>,
+        mut claims: HashMap<tokio::task::Id, InFlight>,
     ) {
+        // Generations waiting for a slot end at once, unstarted.
+        slots.close();
         self.queue.close();
-        let mut release: Vec<(i64, i64)> = Vec::new();
+        let mut release = Unfinished::default();
         while let Ok(queued) = self.queue.try_recv() {
-            release.push((queued.id, queued.claim_id));
+            release.unstarted.push((queued.id, queued.claim_id));
         }
         let deadline = tokio::time::sleep(self.grace);
         tokio::pin!(deadline);
@@ -194,17 +218,31 @@ impl Generator {
                 _ = &mut deadline => break,
                 Some(done) = inflight.join_next_with_id() => {
                     let id = match &done { Ok((id, _)) => *id, Err(e) => e.id() };
-                    claims.remove(&id);
+                    if let Some(task) = claims.remove(&id) {
+                        if !task.started.load(Ordering::SeqCst) {
+                            release.unstarted.push(task.claim);
+                        }
+                    }
                 }
             }
         }
         inflight.abort_all();
         while inflight.join_next().await.is_some() {}
-        release.extend(claims.into_values());
-        if !release.is_empty() {
-            release_as_shutdown(self.pool.clone(), release).await;
+        for task in claims.into_values() {
+            if task.started.load(Ordering::SeqCst) {
+                release.started.push(task.claim);
+            } else {
+                release.unstarted.push(task.claim);
+            }
         }
+        release_as_shutdown(self.pool.clone(), release).await;
     }
+}
+
+/// A generation task's claim, and whether it has reached the writer.
+struct InFlight {
+    claim: (i64, i64),
+    started: Arc<AtomicBool>,
 }
 
 /// The LLM call slots, sized by the `generation_concurrency` setting.
@@ -228,22 +266,24 @@ impl Slots {
         }
     }
 
-    async fn acquire(&self) -> SemaphorePermit<'_> {
+    /// A slot; `None` once the slots are closed (shutdown).
+    async fn acquire(&self) -> Option<SemaphorePermit<'_>> {
         loop {
-            let permit = self
-                .permits
-                .acquire()
-                .await
-                .expect("the semaphore is never closed");
+            let permit = self.permits.acquire().await.ok()?;
             let retired = self
                 .surplus
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
                 .is_ok();
             if !retired {
-                return permit;
+                return Some(permit);
             }
             permit.forget();
         }
+    }
+
+    /// No slot is handed out any more; waiters get `None`.
+    fn close(&self) {
+        self.permits.close();
     }
 
     /// Grows or shrinks the slots from `current` to `wanted`; returns the
@@ -283,15 +323,19 @@ async fn generate(
     settings: Arc<SettingsCache>,
     slots: Arc<Slots>,
     claimed: ClaimedIssue,
+    started: Arc<AtomicBool>,
 ) {
     let _in_flight = crate::metrics::generation_started();
     let lease = match settings.get().await {
         Ok(s) => s.lease(),
         Err(_) => Duration::from_secs(60),
     };
-    let answered = std::sync::atomic::AtomicBool::new(false);
+    let answered = AtomicBool::new(false);
     let work = async {
-        let slot = slots.acquire().await;
+        let Some(slot) = slots.acquire().await else {
+            return Ok(Generated::NotStarted);
+        };
+        started.store(true, Ordering::SeqCst);
         let started = std::time::Instant::now();
         let result = writer.write(IssueText::from(&claimed)).await;
         // The slot bounds LLM calls only; recording waits for its batch.
@@ -328,6 +372,9 @@ async fn generate(
         ),
         Ok(Generated::Failed { reason, retryable }) => {
             tracing::warn!(issue = claimed.id, attempt = claimed.attempts, retryable, %reason, "generation failed")
+        }
+        Ok(Generated::NotStarted) => {
+            tracing::debug!(issue = claimed.id, "shutting down before the generation began")
         }
         Ok(Generated::ClaimLost) => {
             tracing::warn!(

@@ -875,50 +875,58 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
 }
 
 /// Graceful shutdown: generations still running when the grace period ends
-/// are released as `FAILED` with reason `shutdown` (attempt kept, retryable),
-/// so another instance retries them at once instead of after their lease.
+/// are released as `FAILED` with reason `shutdown`, so another instance
+/// retries them at once instead of after their lease. The one that reached
+/// the writer has spent its attempt; those still queued for an LLM slot get
+/// theirs back, so restarts do not use up issues that were never tried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_releases_unfinished_generations_as_failed() {
-    /// A writer that never answers.
-    struct Hangs;
-    impl writer::Writer for Hangs {
-        fn name(&self) -> &str {
-            "hangs"
-        }
-        fn write<'a>(
-            &'a self,
-            _: writer::IssueText<'a>,
-        ) -> futures::future::BoxFuture<'a, Result<writer::Article, writer::WriteError>> {
-            Box::pin(std::future::pending())
-        }
-    }
-
     let db = TestDb::new().await;
     db.set("lease_s", "600").await;
+    db.set("generation_concurrency", "1").await;
     let ids = db.add_issues(3).await;
-    let service = db.serve("stopping", Arc::new(Hangs)).await;
+    // A writer that is never released: the first call hangs, the others
+    // wait for its slot.
+    let (called, mut calls) = watch::channel(0u32);
+    let (_release, held) = watch::channel(false);
+    let writer = HeldWriter {
+        called,
+        release: held,
+    };
+    let service = db.serve("stopping", Arc::new(writer)).await;
     let (status, body) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
     assert_eq!(status, 202, "{body}");
+    within(30, "the first call to start", calls.wait_for(|n| *n == 1))
+        .await
+        .unwrap();
     within(30, "a clean stop after the grace period", service.stop())
         .await
         .unwrap();
-    let client = db.pool.get().await.unwrap();
-    for &id in &ids {
-        let row = client
-            .query_one(
-                "SELECT processing_status, last_error, attempts FROM issue WHERE id = $1",
-                &[&id],
-            )
-            .await
-            .unwrap();
-        assert_eq!(
-            (
-                row.get::<_, String>(0),
-                row.get::<_, Option<String>>(1),
-                row.get::<_, i32>(2)
-            ),
-            ("FAILED".into(), Some("shutdown".into()), 1),
-            "issue {id}"
-        );
-    }
+    assert_eq!(*calls.borrow(), 1, "one slot, one call");
+    let rows = db
+        .pool
+        .get()
+        .await
+        .unwrap()
+        .query(
+            "SELECT processing_status, last_error, attempts FROM issue
+              WHERE id = ANY($1) ORDER BY attempts DESC",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    let released: Vec<(String, Option<String>, i32)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let shutdown = || ("FAILED".to_string(), Some("shutdown".to_string()));
+    assert_eq!(
+        released,
+        [
+            (shutdown().0, shutdown().1, 1),
+            (shutdown().0, shutdown().1, 0),
+            (shutdown().0, shutdown().1, 0),
+        ],
+        "the started generation spent its attempt, the queued ones did not"
+    );
 }

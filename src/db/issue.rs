@@ -443,6 +443,39 @@ pub async fn fail(
     })
 }
 
+/// Releases claims this instance will not finish: each issue still
+/// `IN_PROGRESS` under its claim is set `FAILED` with `reason`, to be
+/// retried at once by whichever instance remains. `attempt_spent: false`
+/// (the generation never began) gives the claim's attempt back (migration
+/// 9). One statement, one transaction. Returns how many were released.
+pub async fn release(
+    client: &mut deadpool_postgres::Client,
+    claims: &[(i64, i64)],
+    reason: &str,
+    attempt_spent: bool,
+) -> Result<u64, DbError> {
+    let (ids, claim_ids): (Vec<i64>, Vec<i64>) = claims.iter().copied().unzip();
+    let tx = client.transaction().await?;
+    if !attempt_spent {
+        tx.execute(
+            "SELECT set_config('newsnack.attempt_unspent', 'on', true)",
+            &[],
+        )
+        .await?;
+    }
+    let released = tx
+        .execute(
+            "UPDATE issue i SET processing_status = 'FAILED', last_error = $3, retry_not_before = NULL
+               FROM unnest($1::bigint[], $2::bigint[]) AS c(id, claim_id)
+              WHERE i.id = ANY($1::bigint[]) AND i.id = c.id AND i.claim_id = c.claim_id
+                AND i.processing_status = 'IN_PROGRESS'",
+            &[&ids, &claim_ids, &reason],
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(released)
+}
+
 /// Moves `IN_PROGRESS` issues whose lease has expired to `FAILED` with
 /// reason `lease expired`. A guarded compare-and-set: a row is taken only if,
 /// when locked, it is still `IN_PROGRESS` under the same claim with its lease

@@ -55,6 +55,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "collected_at range",
         sql: include_str!("../../sql/0008_collected_at_range.sql"),
     },
+    Migration {
+        version: 9,
+        name: "unspent attempts",
+        sql: include_str!("../../sql/0009_unspent_attempts.sql"),
+    },
 ];
 
 /// What a migration run did.
