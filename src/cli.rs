@@ -530,6 +530,8 @@ async fn run_pipeline(url: &str) -> Result<ExitCode, CliError> {
         8,
         writer,
         Duration::from_secs(10),
+        // A one-shot run retries its own targets only.
+        crate::retry::RetryScope::only_added(),
         &shutdown,
     )
     .await?;

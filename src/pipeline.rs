@@ -30,6 +30,7 @@ use crate::db::issue::ClaimScope;
 use crate::db::pipeline_run::{self, RunRecord};
 use crate::db::{DbError, DbPool};
 use crate::listener::TransitionHub;
+use crate::retry::RetryScope;
 use crate::schedule::Schedule;
 use crate::settings::{Settings, SettingsCache};
 use crate::wait::{self, WaitError, WaitOutcome, WaitRequest};
@@ -82,6 +83,8 @@ pub struct Pipeline {
     pub generator: GeneratorHandle,
     pub settings: Arc<SettingsCache>,
     pub instance: String,
+    /// The retry scheduler's scope: a run's targets are brought into it.
+    pub retry_scope: RetryScope,
 }
 
 impl Pipeline {
@@ -194,6 +197,7 @@ impl Pipeline {
         }
         tracing::info!(run_id, ?targets, "pipeline run started");
         record.targets = targets.clone();
+        self.retry_scope.add(&targets);
         if targets.is_empty() {
             record.outcome = WaitOutcome::Skip.as_str().into();
             record.error = Some("no candidate issues".into());

@@ -8,12 +8,18 @@
 //! same `SKIP LOCKED` statement as everyone else. With several instances,
 //! every one schedules the retry and exactly one wins the claim. Fatal
 //! failures and exhausted issues stay `FAILED` until an operator resets them.
+//!
+//! A [`RetryScope`] says which failed issues are this scheduler's: every one
+//! (a `serve` instance), or only those a one-shot run adds (`run-pipeline`:
+//! its own targets; it must not spend its LLM slots on unrelated failures,
+//! nor claim work it abandons when it exits).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{delay_queue, DelayQueue};
 
@@ -35,6 +41,40 @@ const MAX_LEFTOVERS_BACKOFF: Duration = Duration::from_secs(60);
 /// The longest a retry timer is set for at a time.
 const MAX_TIMER: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// Which failed issues a [`RetryScheduler`] retries (see the module docs).
+/// Cheap to clone; clones share the set.
+#[derive(Clone)]
+pub struct RetryScope(Arc<watch::Sender<Option<BTreeSet<i64>>>>);
+
+impl RetryScope {
+    /// Every failed issue, whoever claimed it before.
+    pub fn everything() -> RetryScope {
+        RetryScope(Arc::new(watch::channel(None).0))
+    }
+
+    /// Only the issues [`RetryScope::add`] names; none to begin with.
+    pub fn only_added() -> RetryScope {
+        RetryScope(Arc::new(watch::channel(Some(BTreeSet::new())).0))
+    }
+
+    /// Brings `ids` into an [`RetryScope::only_added`] scope (no-op for
+    /// [`RetryScope::everything`]).
+    pub fn add(&self, ids: &[i64]) {
+        self.0.send_if_modified(|scope| match scope {
+            Some(set) => {
+                let before = set.len();
+                set.extend(ids);
+                set.len() != before
+            }
+            None => false,
+        });
+    }
+
+    fn includes(&self, id: i64) -> bool {
+        self.0.borrow().as_ref().is_none_or(|set| set.contains(&id))
+    }
+}
+
 /// The retry service of one instance.
 pub struct RetryScheduler {
     pub hub: TransitionHub,
@@ -42,6 +82,7 @@ pub struct RetryScheduler {
     pub claimer: Claimer,
     pub generator: GeneratorHandle,
     pub settings: Arc<SettingsCache>,
+    pub scope: RetryScope,
 }
 
 struct State {
@@ -70,6 +111,9 @@ impl RetryScheduler {
         // every settings change is followed by another search.
         let mut settings_changed = self.hub.settings_changed();
         settings_changed.borrow_and_update();
+        // Issues brought into scope may have failed already.
+        let mut scope_changed = self.scope.0.subscribe();
+        scope_changed.borrow_and_update();
         loop {
             tokio::select! {
                 biased;
@@ -78,6 +122,10 @@ impl RetryScheduler {
                     leftovers_again = self.look_for_leftovers(&mut state, &mut leftovers_backoff).await;
                 }
                 Ok(()) = settings_changed.changed() => {
+                    leftovers_backoff = RECHECK_AFTER_ERROR;
+                    leftovers_again = self.look_for_leftovers(&mut state, &mut leftovers_backoff).await;
+                }
+                Ok(()) = scope_changed.changed() => {
                     leftovers_backoff = RECHECK_AFTER_ERROR;
                     leftovers_again = self.look_for_leftovers(&mut state, &mut leftovers_backoff).await;
                 }
@@ -112,7 +160,7 @@ impl RetryScheduler {
         match found.await {
             Ok(ids) => {
                 for id in ids {
-                    if !state.pending.contains_key(&id) {
+                    if self.scope.includes(id) && !state.pending.contains_key(&id) {
                         state.machines.insert(id, IssueMachine::at(Status::Failed));
                         self.schedule(state, id).await;
                     }
@@ -168,6 +216,9 @@ impl RetryScheduler {
     /// the database cannot say, it asks again after [`RECHECK_AFTER_ERROR`]
     /// rather than forget the issue.
     async fn schedule(&self, state: &mut State, id: i64) {
+        if !self.scope.includes(id) {
+            return;
+        }
         let decided = async {
             let settings = self.settings.get().await?;
             let client = self.pool.get().await?;

@@ -20,7 +20,7 @@ use crate::http::{self, AppState};
 use crate::listener::{Listener, ListenerOptions, TransitionHub};
 use crate::pipeline::{Pipeline, PipelineScheduler};
 use crate::reaper::LeaseReaper;
-use crate::retry::RetryScheduler;
+use crate::retry::{RetryScheduler, RetryScope};
 use crate::settings::SettingsCache;
 use crate::worker::{Generator, GeneratorHandle};
 use crate::writer::SharedWriter;
@@ -122,17 +122,21 @@ pub struct Core {
     pub claimer: Claimer,
     pub generator: GeneratorHandle,
     pub instance: String,
+    /// Which failed issues this process retries.
+    pub retry_scope: RetryScope,
     pub tasks: JoinSet<()>,
 }
 
 impl Core {
-    /// Migrates the database and starts the shared parts.
+    /// Migrates the database and starts the shared parts; the retry
+    /// scheduler retries the failed issues in `retry_scope`.
     pub async fn start(
         database_url: &str,
         instance: &str,
         pool_size: usize,
         writer: SharedWriter,
         grace: Duration,
+        retry_scope: RetryScope,
         shutdown: &CancellationToken,
     ) -> Result<Core, ServeError> {
         let config = db::pg_config(database_url, &format!("newsnack:{instance}"))?;
@@ -177,6 +181,7 @@ impl Core {
                 claimer: claimer.clone(),
                 generator: generator_handle.clone(),
                 settings: settings.clone(),
+                scope: retry_scope.clone(),
             }
             .run(shutdown.clone()),
         );
@@ -188,6 +193,7 @@ impl Core {
             claimer,
             generator: generator_handle,
             instance: instance.to_string(),
+            retry_scope,
             tasks,
         })
     }
@@ -202,6 +208,7 @@ impl Core {
             generator: self.generator.clone(),
             settings: self.settings.clone(),
             instance: self.instance.clone(),
+            retry_scope: self.retry_scope.clone(),
         }
     }
 
@@ -247,6 +254,7 @@ pub async fn start(
         options.pool_size,
         writer,
         options.grace,
+        RetryScope::everything(),
         &shutdown,
     )
     .await?;

@@ -374,7 +374,10 @@ async fn generate(
             tracing::warn!(issue = claimed.id, attempt = claimed.attempts, retryable, %reason, "generation failed")
         }
         Ok(Generated::NotStarted) => {
-            tracing::debug!(issue = claimed.id, "shutting down before the generation began")
+            tracing::debug!(
+                issue = claimed.id,
+                "shutting down before the generation began"
+            )
         }
         Ok(Generated::ClaimLost) => {
             tracing::warn!(

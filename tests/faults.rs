@@ -978,6 +978,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
         4,
         Arc::new(OfflineWriter),
         Duration::from_secs(1),
+        newsnack::retry::RetryScope::everything(),
         &shutdown,
     )
     .await

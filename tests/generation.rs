@@ -667,6 +667,7 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
             claimer: Claimer::start(pool.clone(), "gated".into(), 1),
             generator: handle,
             settings,
+            scope: newsnack::retry::RetryScope::everything(),
         }
         .run(stop.clone()),
     );

@@ -75,6 +75,51 @@ async fn scored_issues(db: &TestDb, scores: &[f64]) -> Vec<i64> {
     ids
 }
 
+/// A one-shot `run-pipeline` retries its own targets only: failures of
+/// other issues (older than `lookback_hours`, so not candidates) are left
+/// to the `serve` instances. Before, its retry scheduler took every retryable
+/// failure in the database: LLM slots spent on unrelated work while the
+/// run's own articles waited, and claims abandoned when it exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_retries_its_own_targets_only() {
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "1").await;
+    let sql = db.raw().await;
+    let old: Vec<i64> = sql
+        .query(
+            "INSERT INTO issue (title, body, score, collected_at)
+             SELECT 'Last week ' || g, 'Old news.', 100, now() - interval '7 days'
+               FROM generate_series(1, 10) g
+             RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    db.move_with_sql(&old, &["IN_PROGRESS", "FAILED"]).await;
+    let before = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
+    let fresh = scored_issues(&db, &[1.0, 2.0, 3.0]).await;
+
+    let summary = published_run(&db);
+    let mut targets: Vec<i64> = serde_json::from_value(summary["targets"].clone()).unwrap();
+    targets.sort();
+    assert_eq!(targets, fresh, "{summary}");
+    let touched = db
+        .ids(&format!(
+            "SELECT DISTINCT issue_id FROM issue_transition
+              WHERE seq > {before} AND NOT issue_id = ANY(ARRAY{fresh:?}::bigint[])
+              ORDER BY 1"
+        ))
+        .await;
+    assert_eq!(
+        touched,
+        Vec::<i64>::new(),
+        "issues outside the run were claimed"
+    );
+}
+
 /// Issues `FAILED` beyond a run's reach — fatal, out of attempts, or told
 /// by the server not to retry before the run's wait would be over — are not
 /// its targets: they stay as they are. One with attempts left that may be

@@ -121,7 +121,16 @@ pub async fn run() -> Result<(), DemoError> {
     let writer = Arc::new(DemoWriter {
         fail_once: Mutex::new([ids[1], ids[3]].into_iter().collect()),
     });
-    let core = Core::start(&url, "demo", 8, writer, Duration::from_secs(5), &shutdown).await?;
+    let core = Core::start(
+        &url,
+        "demo",
+        8,
+        writer,
+        Duration::from_secs(5),
+        crate::retry::RetryScope::everything(),
+        &shutdown,
+    )
+    .await?;
 
     say(
         out,
