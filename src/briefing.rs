@@ -15,10 +15,29 @@ use crate::status::Status;
 pub enum AssembleError {
     #[error(transparent)]
     Input(#[from] InvalidInput),
-    #[error("not every issue is DONE: {0:?}")]
-    NotDone(Vec<i64>),
+    /// Issues that are not `DONE` (or do not exist), and issues `DONE`
+    /// without an article (set `DONE` by another system with plain SQL).
+    #[error("{}", unpublishable(.not_done, .without_article))]
+    Unpublishable {
+        not_done: Vec<i64>,
+        without_article: Vec<i64>,
+    },
     #[error(transparent)]
     Db(#[from] DbError),
+}
+
+/// Why issues cannot go into a briefing, in words.
+pub(crate) fn unpublishable(not_done: &[i64], without_article: &[i64]) -> String {
+    let mut parts = Vec::new();
+    if !not_done.is_empty() {
+        parts.push(format!("these issues are not DONE: {not_done:?}"));
+    }
+    if !without_article.is_empty() {
+        parts.push(format!(
+            "these issues are DONE without an article (set DONE by another system?): {without_article:?}"
+        ));
+    }
+    parts.join("; ")
 }
 
 /// What was assembled.
@@ -44,15 +63,19 @@ pub async fn assemble(
     }
     let sources = db::briefing::sources(client, &ordered).await?;
     let mut articles = Vec::with_capacity(ordered.len());
-    let mut not_done = Vec::new();
+    let (mut not_done, mut without_article) = (Vec::new(), Vec::new());
     for id in &ordered {
         match sources.iter().find(|s| s.issue_id == *id) {
             Some(s) if s.status == Status::Done && s.headline.is_some() => articles.push(s),
+            Some(s) if s.status == Status::Done => without_article.push(*id),
             _ => not_done.push(*id),
         }
     }
-    if !not_done.is_empty() {
-        return Err(AssembleError::NotDone(not_done));
+    if !not_done.is_empty() || !without_article.is_empty() {
+        return Err(AssembleError::Unpublishable {
+            not_done,
+            without_article,
+        });
     }
     let today = OffsetDateTime::now_utc().date();
     let title = format!(

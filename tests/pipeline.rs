@@ -347,7 +347,25 @@ async fn today_newsnack_uses_exactly_the_given_ids_or_says_which_are_not_done() 
     assert_eq!(conflict.status(), 409);
     let body: serde_json::Value = conflict.json().await.unwrap();
     assert_eq!(body["not_done"], serde_json::json!([ids[3], 424242]));
+    assert_eq!(body["without_article"], serde_json::json!([]));
     assert!(body["error"].is_string());
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
+
+    // Another system marks an issue DONE with plain SQL: DONE, but there is
+    // no article to publish, and the answer says so.
+    db.move_with_sql(&ids[3..], &["IN_PROGRESS", "DONE"]).await;
+    let conflict = http
+        .post(format!("{base}/today-newsnack"))
+        .json(&serde_json::json!({"issue_ids": [ids[0], ids[3]]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(conflict.status(), 409);
+    let body: serde_json::Value = conflict.json().await.unwrap();
+    assert_eq!(body["not_done"], serde_json::json!([]));
+    assert_eq!(body["without_article"], serde_json::json!([ids[3]]));
+    let error = body["error"].as_str().unwrap();
+    assert!(error.contains("without an article"), "{error}");
     assert_eq!(db.scalar_i64("SELECT count(*) FROM briefing").await, 0);
 
     let made = http

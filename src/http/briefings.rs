@@ -30,7 +30,7 @@ pub struct AssembleBody {
 /// Assemble a briefing from exactly these issues, in this order.
 #[utoipa::path(post, path = "/today-newsnack", request_body = AssembleBody, tag = "briefings",
     responses((status = 201, body = Assembled),
-              (status = 409, description = "`not_done` lists the ids that are not DONE")))]
+              (status = 409, description = "`not_done` lists the ids that are not DONE, `without_article` those DONE without an article")))]
 pub async fn assemble(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<AssembleBody>,
@@ -38,9 +38,12 @@ pub async fn assemble(
     let client = state.pool.get().await.map_err(DbError::from)?;
     match briefing::assemble(&client, &body.issue_ids).await {
         Ok(assembled) => Ok((StatusCode::CREATED, Json(assembled))),
-        Err(AssembleError::NotDone(ids)) => Err(ApiError::Conflict(
-            format!("these issues are not DONE: {ids:?}"),
-            serde_json::json!({ "not_done": ids }),
+        Err(AssembleError::Unpublishable {
+            not_done,
+            without_article,
+        }) => Err(ApiError::Conflict(
+            briefing::unpublishable(&not_done, &without_article),
+            serde_json::json!({ "not_done": not_done, "without_article": without_article }),
         )),
         Err(AssembleError::Input(e)) => Err(e.into()),
         Err(AssembleError::Db(e)) => Err(e.into()),
