@@ -15,8 +15,9 @@
 //! retried with capped exponential backoff; TCP keepalive plus a health query
 //! every few seconds make sure a half-open connection is noticed.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
@@ -80,6 +81,7 @@ pub struct TransitionHub {
 
 struct HubInner {
     events: broadcast::Sender<Transition>,
+    published: Arc<PublishTimes>,
     status: watch::Receiver<ListenerStatus>,
     settings_changed: watch::Receiver<u64>,
     pool: DbPool,
@@ -100,6 +102,12 @@ impl TransitionHub {
     /// falls behind.
     pub fn stream_after(&self, seq: i64, issue_id: Option<i64>) -> TransitionStream {
         TransitionStream::new(self.inner.pool.clone(), self.subscribe(), seq, issue_id)
+    }
+
+    /// How long ago the transition `seq` was published here: zero if it
+    /// has not been yet, or only just.
+    pub fn published_ago(&self, seq: i64) -> Duration {
+        self.inner.published.age(seq, Instant::now())
     }
 
     /// The listener's state; changes whenever it connects, loses its session
@@ -124,11 +132,48 @@ impl TransitionHub {
     }
 }
 
+/// When transitions were published, coarsely: marks of the newest `seq`
+/// published and the instant, at most one per [`PublishTimes::RESOLUTION`]
+/// (a later publication within it moves the mark's `seq`, so a `seq` may
+/// look up to that much older than it is), the last [`PublishTimes::KEEP`]
+/// marks kept (over 13 minutes of continuous publishing; anything older
+/// reads as the oldest mark's age).
+#[derive(Default)]
+struct PublishTimes {
+    marks: std::sync::Mutex<VecDeque<(i64, Instant)>>,
+}
+
+impl PublishTimes {
+    const RESOLUTION: Duration = Duration::from_millis(50);
+    const KEEP: usize = 16 * 1024;
+
+    fn record(&self, seq: i64, now: Instant) {
+        let mut marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        match marks.back_mut() {
+            Some((last, at)) if now.duration_since(*at) < Self::RESOLUTION => *last = seq,
+            _ => marks.push_back((seq, now)),
+        }
+        if marks.len() > Self::KEEP {
+            marks.pop_front();
+        }
+    }
+
+    /// How long before `now` `seq` was published; zero if it was not.
+    fn age(&self, seq: i64, now: Instant) -> Duration {
+        let marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        let first_reaching = marks.partition_point(|&(published, _)| published < seq);
+        marks
+            .get(first_reaching)
+            .map_or(Duration::ZERO, |&(_, at)| now.saturating_duration_since(at))
+    }
+}
+
 /// The owner of the LISTEN connection.
 pub struct Listener {
     config: tokio_postgres::Config,
     options: ListenerOptions,
     events: broadcast::Sender<Transition>,
+    published: Arc<PublishTimes>,
     status: watch::Sender<ListenerStatus>,
     settings_changed: watch::Sender<u64>,
     last_seq: i64,
@@ -165,10 +210,12 @@ impl Listener {
         let (events, _) = broadcast::channel(options.capacity);
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let (settings_tx, settings_rx) = watch::channel(0);
+        let published = Arc::new(PublishTimes::default());
         let mut listener = Listener {
             config,
             options,
             events: events.clone(),
+            published: published.clone(),
             status: status_tx,
             settings_changed: settings_tx,
             last_seq: 0,
@@ -223,6 +270,7 @@ impl Listener {
         let hub = TransitionHub {
             inner: Arc::new(HubInner {
                 events,
+                published,
                 status: status_rx,
                 settings_changed: settings_rx,
                 pool,
@@ -397,6 +445,7 @@ impl Listener {
             let _ = self.events.send(t);
         }
         let seq = self.last_seq;
+        self.published.record(seq, Instant::now());
         self.status.send_modify(|s| s.last_seq = seq);
     }
 
@@ -452,5 +501,46 @@ async fn pause(duration: Duration, shutdown: &CancellationToken) -> bool {
     tokio::select! {
         _ = shutdown.cancelled() => true,
         _ = tokio::time::sleep(duration) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seq_is_as_old_as_the_first_mark_that_reached_it() {
+        let times = PublishTimes::default();
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        times.record(10, at(0));
+        times.record(20, at(1000));
+        // Within the resolution: moves the last mark's seq, not its time.
+        times.record(25, at(1010));
+        times.record(30, at(2000));
+        let now = at(5000);
+        assert_eq!(times.age(5, now), Duration::from_millis(5000));
+        assert_eq!(times.age(10, now), Duration::from_millis(5000));
+        assert_eq!(times.age(11, now), Duration::from_millis(4000));
+        assert_eq!(times.age(25, now), Duration::from_millis(4000));
+        assert_eq!(times.age(26, now), Duration::from_millis(3000));
+        assert_eq!(times.age(31, now), Duration::ZERO, "not published yet");
+    }
+
+    #[test]
+    fn only_the_newest_marks_are_kept() {
+        let times = PublishTimes::default();
+        let start = Instant::now();
+        let n = PublishTimes::KEEP as u64 + 10;
+        for i in 0..n {
+            times.record(i as i64, start + PublishTimes::RESOLUTION * i as u32);
+        }
+        assert_eq!(times.marks.lock().unwrap().len(), PublishTimes::KEEP);
+        let now = start + PublishTimes::RESOLUTION * n as u32;
+        // Older than every mark kept: as old as the oldest.
+        assert_eq!(
+            times.age(0, now),
+            PublishTimes::RESOLUTION * PublishTimes::KEEP as u32
+        );
     }
 }

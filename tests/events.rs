@@ -12,6 +12,7 @@ mod common;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::{until_published, within, TestDb};
 use newsnack::writer::{OfflineWriter, SharedWriter};
@@ -712,6 +713,14 @@ async fn slow_clients_are_dropped_resumably_and_never_hold_up_shutdown() {
     let log = all_seqs(&db).await;
     let last = *log.last().unwrap();
     until_published(&service.hub, last).await;
+    // Slowness is also a matter of time: the client is dropped once what it
+    // has yet to read was published more than MAX_DELAY ago.
+    within(30, "the flood to be MAX_DELAY old", async {
+        while service.hub.published_ago(last) <= newsnack::http::events::MAX_DELAY {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
 
     // Reading again, it gets what was already on its way, then `dropped`.
     let dropped = within(60, "the dropped event", async {
@@ -768,6 +777,45 @@ async fn slow_clients_are_dropped_resumably_and_never_hold_up_shutdown() {
     )
     .await
     .unwrap();
+}
+
+/// One commit of more transitions than a stream may fall behind (a bulk
+/// reset by another system, say) puts every client that far behind at once;
+/// a client that reads on promptly is not dropped for it, and gets every
+/// one.
+#[tokio::test]
+async fn a_client_reading_through_one_huge_commit_is_not_dropped() {
+    let _shared = EXCLUSIVE.read().await;
+    let db = TestDb::new().await;
+    let service = db.serve("events-huge-commit", offline()).await;
+    let url = format!("http://{}/events", service.addr);
+    let http = reqwest::Client::new();
+    let sql = db.raw().await;
+    let mut client = SseClient::open(&http, &url, None).await;
+    let first = insert(&sql, 1).await;
+    assert_eq!(
+        client.expect(10, "the first transition").await.json()["issue_id"],
+        first[0]
+    );
+
+    // The client reads nothing until the whole commit is published: every
+    // transition of it is far behind by then (more than the socket buffers
+    // hold plus the 10,000), but only just published.
+    let huge = flood_size();
+    insert(&sql, huge).await;
+    let log = all_seqs(&db).await;
+    until_published(&service.hub, *log.last().unwrap()).await;
+    let mut seen = Vec::new();
+    within(60, "every transition of the commit", async {
+        while seen.len() < huge as usize {
+            let event = client.next().await.expect("the stream ended");
+            assert_eq!(event.event, "transition", "{event:?}");
+            seen.push(event.seq());
+        }
+    })
+    .await;
+    assert_eq!(seen[..], log[1..], "all of them, once, in order");
+    service.stop().await.unwrap();
 }
 
 #[tokio::test]

@@ -27,10 +27,13 @@
 //!
 //! Slow clients: a stream is ended when the transition it is about to send
 //! is more than [`MAX_FALL_BEHIND`] (10,000) transitions further behind the
-//! newest published one than the stream has ever been since it started
-//! (a live client may thus fall 10,000 behind; a replay from `since=0` may
-//! take as long as it needs, as long as it does not lose more than 10,000 of
-//! the ground it has gained). It ends with a final event
+//! newest published one than the stream has ever been since it started,
+//! and was published more than [`MAX_DELAY`] (5 s) ago. A live client may
+//! thus fall 10,000 behind; a replay from `since=0` may take as long as it
+//! needs, as long as it does not lose more than 10,000 of the ground it has
+//! gained; and a single commit of many transitions, which puts every client
+//! far behind at once, ends no stream that reads it promptly. It ends with a
+//! final event
 //!
 //! ```text
 //! event: dropped
@@ -83,7 +86,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::error::ApiError;
 use super::AppState;
-use crate::listener::ListenerStatus;
+use crate::listener::{ListenerStatus, TransitionHub};
 use crate::stream::TransitionStream;
 use crate::transition::Transition;
 
@@ -93,6 +96,11 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How many transitions a stream may fall behind beyond the smallest lag it
 /// has had before it is dropped (see the module docs).
 pub const MAX_FALL_BEHIND: i64 = 10_000;
+
+/// How long ago the transition a stream is about to send may have been
+/// published, at most, when the stream is that far behind (see the module
+/// docs).
+pub const MAX_DELAY: Duration = Duration::from_secs(5);
 
 /// The most bytes of events gathered into one write.
 const MAX_CHUNK: usize = 64 * 1024;
@@ -191,6 +199,7 @@ async fn events(
     let feed = Feed {
         preface,
         stream: state.hub.stream_after(start, issue_id),
+        hub: state.hub.clone(),
         cache,
         head,
         shutdown: Box::pin(state.shutdown.clone().cancelled_owned()),
@@ -265,6 +274,8 @@ struct Feed {
     /// Sent before any transition: the `reset` notice, if any.
     preface: Option<Bytes>,
     stream: TransitionStream,
+    /// For when transitions were published.
+    hub: TransitionHub,
     cache: Arc<EventCache>,
     /// The listener's state: `last_seq` is the newest published transition.
     head: watch::Receiver<ListenerStatus>,
@@ -362,7 +373,7 @@ impl Feed {
         };
         let lag = (self.head.borrow().last_seq - seq).max(0);
         *best = (*best).min(lag);
-        lag - *best > MAX_FALL_BEHIND
+        lag - *best > MAX_FALL_BEHIND && self.hub.published_ago(seq) > MAX_DELAY
     }
 
     /// The final event of a stream the server ends.
