@@ -20,7 +20,7 @@
 //! attempt back, so restarts do not use up issues' `max_attempts`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,51 +64,41 @@ impl GeneratorHandle {
     /// returns (while the pool is still open), so they do not wait out
     /// their lease.
     pub async fn submit(&self, issues: Vec<ClaimedIssue>) {
-        let mut refused = Unfinished::default();
+        let mut refused = Vec::new();
         for issue in issues {
             if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
-                refused.unstarted.push((issue.id, issue.claim_id));
+                refused.push((issue.id, issue.claim_id));
             }
         }
-        release_as_shutdown(self.pool.clone(), refused).await;
+        release_as_shutdown(&self.pool, refused, false).await;
     }
 }
 
-/// Claims (`(id, claim_id)`) this instance gives back on shutdown.
-#[derive(Default)]
-struct Unfinished {
-    /// Generations that reached the writer: their attempt is spent.
-    started: Vec<(i64, i64)>,
-    /// Generations that never did (queued, or waiting for an LLM slot):
-    /// their attempt is given back.
-    unstarted: Vec<(i64, i64)>,
-}
-
-/// Marks claims this instance will not finish `FAILED` with reason
-/// `shutdown` (fenced by their claim), to be retried elsewhere at once.
-/// Best effort: what cannot be written returns with its lease.
-async fn release_as_shutdown(pool: DbPool, unfinished: Unfinished) {
-    for (claims, attempt_spent) in [(unfinished.started, true), (unfinished.unstarted, false)] {
-        if claims.is_empty() {
-            continue;
-        }
-        let released = async {
-            let mut client = pool.get().await?;
-            issue::release(&mut client, &claims, "shutdown", attempt_spent).await
-        };
-        match released.await {
-            Ok(n) => tracing::info!(
-                released = n,
-                of = claims.len(),
-                attempt_spent,
-                "released unfinished generations as FAILED (shutdown)"
-            ),
-            Err(e) => tracing::warn!(
-                count = claims.len(),
-                error = %e,
-                "could not release unfinished generations; their lease will"
-            ),
-        }
+/// Marks claims (`(id, claim_id)`) this instance will not finish `FAILED`
+/// with reason `shutdown` (fenced by their claim), to be retried elsewhere
+/// at once; with `attempt_spent: false` (their generation never began)
+/// their attempt is given back. Best effort: what cannot be written
+/// returns with its lease.
+async fn release_as_shutdown(pool: &DbPool, claims: Vec<(i64, i64)>, attempt_spent: bool) {
+    if claims.is_empty() {
+        return;
+    }
+    let released = async {
+        let mut client = pool.get().await?;
+        issue::release(&mut client, &claims, "shutdown", attempt_spent).await
+    };
+    match released.await {
+        Ok(n) => tracing::info!(
+            released = n,
+            of = claims.len(),
+            attempt_spent,
+            "released unfinished generations as FAILED (shutdown)"
+        ),
+        Err(e) => tracing::warn!(
+            count = claims.len(),
+            error = %e,
+            "could not release unfinished generations; their lease will"
+        ),
     }
 }
 
@@ -175,7 +165,7 @@ impl Generator {
                 Some(claimed) = self.queue.recv() => {
                     let in_flight = InFlight {
                         claim: (claimed.id, claimed.claim_id),
-                        started: Arc::default(),
+                        start: Arc::default(),
                     };
                     let task = inflight.spawn(generate(
                         self.pool.clone(),
@@ -184,7 +174,7 @@ impl Generator {
                         self.settings.clone(),
                         slots.clone(),
                         claimed,
-                        in_flight.started.clone(),
+                        in_flight.start.clone(),
                     ));
                     claims.insert(task.id(), in_flight);
                 }
@@ -204,13 +194,23 @@ impl Generator {
         mut inflight: JoinSet<()>,
         mut claims: HashMap<tokio::task::Id, InFlight>,
     ) {
-        // Generations waiting for a slot end at once, unstarted.
+        // Generations that have not begun never will: they are released
+        // at once, with their attempt, and their tasks end without a slot.
         slots.close();
         self.queue.close();
-        let mut release = Unfinished::default();
+        let mut unstarted = Vec::new();
         while let Ok(queued) = self.queue.try_recv() {
-            release.unstarted.push((queued.id, queued.claim_id));
+            unstarted.push((queued.id, queued.claim_id));
         }
+        claims.retain(|_, task| {
+            let withdrawn = task.start.withdraw();
+            if withdrawn {
+                unstarted.push(task.claim);
+            }
+            !withdrawn
+        });
+        release_as_shutdown(&self.pool, unstarted, false).await;
+        // The others may finish within the grace period.
         let deadline = tokio::time::sleep(self.grace);
         tokio::pin!(deadline);
         while !inflight.is_empty() {
@@ -218,31 +218,57 @@ impl Generator {
                 _ = &mut deadline => break,
                 Some(done) = inflight.join_next_with_id() => {
                     let id = match &done { Ok((id, _)) => *id, Err(e) => e.id() };
-                    if let Some(task) = claims.remove(&id) {
-                        if !task.started.load(Ordering::SeqCst) {
-                            release.unstarted.push(task.claim);
-                        }
-                    }
+                    claims.remove(&id);
                 }
             }
         }
         inflight.abort_all();
         while inflight.join_next().await.is_some() {}
-        for task in claims.into_values() {
-            if task.started.load(Ordering::SeqCst) {
-                release.started.push(task.claim);
-            } else {
-                release.unstarted.push(task.claim);
-            }
-        }
-        release_as_shutdown(self.pool.clone(), release).await;
+        let cut_short = claims.into_values().map(|task| task.claim).collect();
+        release_as_shutdown(&self.pool, cut_short, true).await;
     }
 }
 
-/// A generation task's claim, and whether it has reached the writer.
+/// A generation task's claim, and whether it has begun.
 struct InFlight {
     claim: (i64, i64),
-    started: Arc<AtomicBool>,
+    start: Arc<Start>,
+}
+
+/// Whether a generation has begun its writer call: decided once, by the
+/// task as it begins or by shutdown withdrawing it first, so a claim is
+/// never both released unstarted and written.
+#[derive(Default)]
+struct Start(AtomicU8);
+
+impl Start {
+    const WAITING: u8 = 0;
+    const BEGUN: u8 = 1;
+    const WITHDRAWN: u8 = 2;
+
+    /// The task may begin; false once it was withdrawn.
+    fn begin(&self) -> bool {
+        self.0
+            .compare_exchange(
+                Self::WAITING,
+                Self::BEGUN,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
+    }
+
+    /// True if the task had not begun and now never will.
+    fn withdraw(&self) -> bool {
+        self.0
+            .compare_exchange(
+                Self::WAITING,
+                Self::WITHDRAWN,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
+    }
 }
 
 /// The LLM call slots, sized by the `generation_concurrency` setting.
@@ -323,7 +349,7 @@ async fn generate(
     settings: Arc<SettingsCache>,
     slots: Arc<Slots>,
     claimed: ClaimedIssue,
-    started: Arc<AtomicBool>,
+    start: Arc<Start>,
 ) {
     let _in_flight = crate::metrics::generation_started();
     let lease = match settings.get().await {
@@ -335,7 +361,9 @@ async fn generate(
         let Some(slot) = slots.acquire().await else {
             return Ok(Generated::NotStarted);
         };
-        started.store(true, Ordering::SeqCst);
+        if !start.begin() {
+            return Ok(Generated::NotStarted);
+        }
         let started = std::time::Instant::now();
         let result = writer.write(IssueText::from(&claimed)).await;
         // The slot bounds LLM calls only; recording waits for its batch.
@@ -402,8 +430,10 @@ async fn generate(
                 )
                 .await
             };
-            if let Err(e) = released.await {
-                tracing::warn!(issue = claimed.id, error = %e, "could not record the failure either; the lease will return the issue");
+            match released.await {
+                Ok(Fenced::Written | Fenced::Lost) => {}
+                Ok(Fenced::Busy) => tracing::warn!(issue = claimed.id, "the issue's row is held by another transaction; the lease will return the issue"),
+                Err(e) => tracing::warn!(issue = claimed.id, error = %e, "could not record the failure either; the lease will return the issue"),
             }
         }
     }
@@ -476,13 +506,14 @@ async fn record(
             };
             let client = pool.get().await?;
             let fenced = issue::fail(&client, claimed.id, claimed.claim_id, &reason, retry).await?;
-            Ok(match fenced {
-                Fenced::Written => Generated::Failed {
+            match fenced {
+                Fenced::Written => Ok(Generated::Failed {
                     reason,
                     retryable: e.is_retryable(),
-                },
-                Fenced::Lost | Fenced::Busy => Generated::ClaimLost,
-            })
+                }),
+                Fenced::Lost => Ok(Generated::ClaimLost),
+                Fenced::Busy => Err(DbError::RowLocked(claimed.id)),
+            }
         }
     }
 }

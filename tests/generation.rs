@@ -878,8 +878,9 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
 /// Graceful shutdown: generations still running when the grace period ends
 /// are released as `FAILED` with reason `shutdown`, so another instance
 /// retries them at once instead of after their lease. The one that reached
-/// the writer has spent its attempt; those still queued for an LLM slot get
-/// theirs back, so restarts do not use up issues that were never tried.
+/// the writer has spent its attempt; those still queued for an LLM slot are
+/// released at once and get theirs back, so restarts do not use up issues
+/// that were never tried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_releases_unfinished_generations_as_failed() {
     let db = TestDb::new().await;
@@ -900,8 +901,23 @@ async fn shutdown_releases_unfinished_generations_as_failed() {
     within(30, "the first call to start", calls.wait_for(|n| *n == 1))
         .await
         .unwrap();
-    within(30, "a clean stop after the grace period", service.stop())
+    // A listener of the test's own: the service's stops with it.
+    let (hub, _listening) = db.listener().await;
+    let stopping = tokio::spawn(service.stop());
+    // The queued ones are released at once, while the started one still
+    // has its grace period (5 s) to finish.
+    until_sql(
+        &db,
+        &hub,
+        4,
+        "SELECT count(*) FILTER (WHERE processing_status = 'FAILED' AND attempts = 0) = 2
+            AND count(*) FILTER (WHERE processing_status = 'IN_PROGRESS') = 1
+           FROM issue",
+    )
+    .await;
+    within(30, "a clean stop after the grace period", stopping)
         .await
+        .unwrap()
         .unwrap();
     assert_eq!(*calls.borrow(), 1, "one slot, one call");
     let rows = db

@@ -683,6 +683,79 @@ async fn issue_state(
     )
 }
 
+/// A heartbeat, completion or failure meeting the row of its issue held by
+/// another transaction (a system editing it with plain SQL, not committing)
+/// does not wait for it: it says so at once, and is tried again once the
+/// row is free. Waiting, every claim's beat would hold a pooled connection
+/// for as long as the other transaction stays open. An issue deleted under
+/// a claim reads as a lost claim, not as a held row.
+#[tokio::test]
+async fn fenced_writes_do_not_wait_for_a_row_another_transaction_holds() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let client = db.pool.get().await.unwrap();
+    let lease = Duration::from_secs(60);
+    let claimed = claim_issues(&client, &[id], "beating", lease, ClaimScope::Claimable)
+        .await
+        .unwrap();
+    let claim = claimed.claimed[0].claim_id;
+    let mut holder = db.raw().await;
+    let held = holder.transaction().await.unwrap();
+    held.execute("UPDATE issue SET score = 7 WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    let beat = within(
+        10,
+        "a heartbeat on a held row",
+        heartbeat(&client, id, claim, lease),
+    )
+    .await;
+    assert!(
+        matches!(beat, Err(newsnack::db::DbError::RowLocked(locked)) if locked == id),
+        "{beat:?}"
+    );
+    assert!(
+        beat.unwrap_err().is_transient(),
+        "tried again, not given up"
+    );
+    assert_eq!(
+        within(
+            10,
+            "a completion on a held row",
+            complete(&client, id, claim, "h", "b", "w")
+        )
+        .await
+        .unwrap(),
+        Fenced::Busy
+    );
+    let failed = fail(&client, id, claim, "x", RetryPolicy::After(None));
+    assert_eq!(
+        within(10, "a failure on a held row", failed).await.unwrap(),
+        Fenced::Busy
+    );
+    held.commit().await.unwrap();
+    assert!(heartbeat(&client, id, claim, lease).await.unwrap());
+    assert!(!heartbeat(&client, id, claim + 1000, lease).await.unwrap());
+
+    // An issue deleted under a claim is gone, not busy: the claim is lost.
+    db.raw()
+        .await
+        .execute("DELETE FROM issue WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    assert!(!heartbeat(&client, id, claim, lease).await.unwrap());
+    assert_eq!(
+        complete(&client, id, claim, "h", "b", "w").await.unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        fail(&client, id, claim, "x", RetryPolicy::After(None))
+            .await
+            .unwrap(),
+        Fenced::Lost
+    );
+}
+
 #[tokio::test]
 async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
     let db = TestDb::new().await;

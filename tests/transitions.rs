@@ -283,6 +283,58 @@ async fn a_raw_sql_claim_cannot_go_without_a_token_or_reuse_an_old_one() {
     assert_eq!(token().await, Some(drawn));
 }
 
+/// An attempt is given back on entry into `FAILED` only by the transaction
+/// that names itself in `newsnack.attempt_unspent` (a claim released before
+/// its generation began); a session- or database-wide setting is ignored,
+/// so no writer lowers the count by accident.
+#[tokio::test]
+async fn only_the_releasing_transaction_gives_an_attempt_back() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let mut sql = db.raw().await;
+    async fn attempts_of(sql: &tokio_postgres::Client, id: i64) -> i32 {
+        sql.query_one("SELECT attempts FROM issue WHERE id = $1", &[&id])
+            .await
+            .unwrap()
+            .get(0)
+    }
+    async fn claim(sql: &tokio_postgres::Client, id: i64) {
+        sql.execute(
+            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    }
+    const FAIL: &str =
+        "UPDATE issue SET processing_status = 'FAILED', last_error = 'x' WHERE id = $1";
+
+    // Set for the whole session (or the database): ignored.
+    sql.batch_execute("SET newsnack.attempt_unspent = 'on'")
+        .await
+        .unwrap();
+    claim(&sql, id).await;
+    sql.execute(FAIL, &[&id]).await.unwrap();
+    assert_eq!(attempts_of(&sql, id).await, 1);
+    sql.batch_execute("RESET newsnack.attempt_unspent")
+        .await
+        .unwrap();
+
+    // Named by the transaction that fails the claim: given back.
+    claim(&sql, id).await;
+    assert_eq!(attempts_of(&sql, id).await, 2);
+    let tx = sql.transaction().await.unwrap();
+    tx.execute(
+        "SELECT set_config('newsnack.attempt_unspent', txid_current()::text, true)",
+        &[],
+    )
+    .await
+    .unwrap();
+    tx.execute(FAIL, &[&id]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(attempts_of(&sql, id).await, 1);
+}
+
 #[tokio::test]
 async fn claim_bumps_attempts_and_issues_a_new_fencing_token_for_any_writer() {
     let db = TestDb::new().await;

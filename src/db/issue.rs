@@ -277,8 +277,39 @@ pub async fn claim_issues(
     Ok(ClaimOutcome::of_request(ids, claimed, &done))
 }
 
+/// A fenced write of one issue (`$1`) that does not wait for its row: the
+/// `UPDATE` in `update` (which must use `id IN (SELECT id FROM free)` and
+/// end in `RETURNING id`) runs only if the row was free; the statement then
+/// says whether the row was free, whether it was written, and whether the
+/// issue exists at all. See [`single_row_outcome`].
+fn single_row_write(update: &str) -> String {
+    format!(
+        "WITH free AS MATERIALIZED (
+             SELECT id FROM issue WHERE id = $1 FOR NO KEY UPDATE SKIP LOCKED
+         ), written AS ({update})
+         SELECT EXISTS (SELECT 1 FROM free), EXISTS (SELECT 1 FROM written),
+                EXISTS (SELECT 1 FROM issue WHERE id = $1)"
+    )
+}
+
+/// What a [`single_row_write`] found: written; not written because the
+/// claim is no longer current or the issue is gone ([`Fenced::Lost`]); or
+/// not tried because another transaction holds the row ([`Fenced::Busy`]).
+fn single_row_outcome(row: &tokio_postgres::Row) -> Fenced {
+    let (free, written, exists): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    match (free, written, exists) {
+        (_, true, _) => Fenced::Written,
+        (false, _, true) => Fenced::Busy,
+        _ => Fenced::Lost,
+    }
+}
+
 /// Extends a live claim's lease. False when the claim is no longer current
-/// (completed, reaped, or re-claimed by someone else).
+/// (completed, reaped, re-claimed by someone else, or the issue deleted);
+/// [`DbError::RowLocked`] when another transaction holds the issue's row: a
+/// beat does not wait for it (every claim's beats waiting on a long
+/// transaction of another system would take every pooled connection), and
+/// is tried again soon.
 pub async fn heartbeat(
     client: &impl GenericClient,
     id: i64,
@@ -286,15 +317,21 @@ pub async fn heartbeat(
     lease: Duration,
 ) -> Result<bool, DbError> {
     let statement = client
-        .prepare_cached(
+        .prepare_cached(&single_row_write(
             "UPDATE issue SET lease_until = now() + make_interval(secs => $3::float8)
-              WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS'",
-        )
+              WHERE id = $1 AND id IN (SELECT id FROM free)
+                AND claim_id = $2 AND processing_status = 'IN_PROGRESS'
+          RETURNING id",
+        ))
         .await?;
-    Ok(client
-        .execute(&statement, &[&id, &claim_id, &lease.as_secs_f64()])
-        .await?
-        == 1)
+    let row = client
+        .query_one(&statement, &[&id, &claim_id, &lease.as_secs_f64()])
+        .await?;
+    match single_row_outcome(&row) {
+        Fenced::Written => Ok(true),
+        Fenced::Lost => Ok(false),
+        Fenced::Busy => Err(DbError::RowLocked(id)),
+    }
 }
 
 /// Operator reset `FAILED -> PENDING` with a fresh retry budget; returns the
@@ -342,9 +379,10 @@ pub struct Completion {
 /// up by primary key, however few issues the statistics say are in flight.
 /// Rows another transaction holds are skipped, not waited for: one issue
 /// locked by a system editing it with plain SQL must not hold up every
-/// completion queued behind it. Answers one row per issue it could lock,
-/// with the claim id if it wrote the article, NULL if the claim was no
-/// longer current. Public so that tests can check its plan.
+/// completion queued behind it. Answers one row per issue that exists: its
+/// id, whether its row was free, and the claim id if it wrote the article
+/// (NULL if the claim was no longer current). Public so that tests can
+/// check its plan.
 pub const COMPLETE_STATEMENT: &str = "WITH input AS (
          SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[])
                   AS t(id, claim_id, headline, body)
@@ -363,7 +401,11 @@ pub const COMPLETE_STATEMENT: &str = "WITH input AS (
            FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
       RETURNING issue_id, claim_id
      )
-     SELECT f.id, w.claim_id FROM free f LEFT JOIN written w ON w.issue_id = f.id";
+     SELECT i.id, f.id IS NOT NULL, w.claim_id
+       FROM issue i
+       LEFT JOIN free f ON f.id = i.id
+       LEFT JOIN written w ON w.issue_id = i.id
+      WHERE i.id = ANY($1::bigint[])";
 
 /// Completes claims in one statement (so one transaction): each issue that
 /// is still `IN_PROGRESS` under its very claim is set `DONE` and its article
@@ -377,7 +419,7 @@ pub async fn complete(
     let statement = client.prepare_cached(COMPLETE_STATEMENT).await?;
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
-    let locked: BTreeMap<i64, Option<i64>> = client
+    let found: BTreeMap<i64, (bool, Option<i64>)> = client
         .query(
             &statement,
             &[
@@ -390,14 +432,15 @@ pub async fn complete(
         )
         .await?
         .iter()
-        .map(|r| (r.get(0), r.get(1)))
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
         .collect();
     Ok(completions
         .iter()
-        .map(|c| match locked.get(&c.id) {
-            None => Fenced::Busy,
-            Some(written) if *written == Some(c.claim_id) => Fenced::Written,
-            Some(_) => Fenced::Lost,
+        .map(|c| match found.get(&c.id) {
+            Some((_, written)) if *written == Some(c.claim_id) => Fenced::Written,
+            Some((false, _)) => Fenced::Busy,
+            // Not current, or the issue is gone.
+            _ => Fenced::Lost,
         })
         .collect())
 }
@@ -413,7 +456,8 @@ pub enum RetryPolicy {
 }
 
 /// Fails a claim (`IN_PROGRESS -> FAILED`) with a reason, only if it is
-/// still current.
+/// still current; [`Fenced::Busy`], without waiting, if another transaction
+/// holds the row.
 pub async fn fail(
     client: &impl GenericClient,
     id: i64,
@@ -422,32 +466,35 @@ pub async fn fail(
     retry: RetryPolicy,
 ) -> Result<Fenced, DbError> {
     let statement = client
-        .prepare_cached(
+        .prepare_cached(&single_row_write(
             "UPDATE issue SET processing_status = 'FAILED', last_error = $3,
                     retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
                                             ELSE now() + make_interval(secs => $4::float8) END
-              WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS'",
-        )
+              WHERE id = $1 AND id IN (SELECT id FROM free)
+                AND claim_id = $2 AND processing_status = 'IN_PROGRESS'
+          RETURNING id",
+        ))
         .await?;
     let (wait, never): (Option<f64>, bool) = match retry {
         RetryPolicy::After(d) => (d.map(|d| d.as_secs_f64()), false),
         RetryPolicy::Never => (None, true),
     };
-    let n = client
-        .execute(&statement, &[&id, &claim_id, &reason, &wait, &never])
+    let row = client
+        .query_one(&statement, &[&id, &claim_id, &reason, &wait, &never])
         .await?;
-    Ok(if n == 1 {
-        Fenced::Written
-    } else {
-        Fenced::Lost
-    })
+    Ok(single_row_outcome(&row))
 }
+
+/// How long [`release`] waits for rows other transactions hold.
+pub const RELEASE_LOCK_WAIT: Duration = Duration::from_secs(2);
 
 /// Releases claims this instance will not finish: each issue still
 /// `IN_PROGRESS` under its claim is set `FAILED` with `reason`, to be
 /// retried at once by whichever instance remains. `attempt_spent: false`
 /// (the generation never began) gives the claim's attempt back (migration
-/// 9). One statement, one transaction. Returns how many were released.
+/// 9). One statement, one transaction, waiting at most [`RELEASE_LOCK_WAIT`]
+/// for rows other transactions hold (shutdown must end; what is not
+/// released returns with its lease). Returns how many were released.
 pub async fn release(
     client: &mut deadpool_postgres::Client,
     claims: &[(i64, i64)],
@@ -456,9 +503,16 @@ pub async fn release(
 ) -> Result<u64, DbError> {
     let (ids, claim_ids): (Vec<i64>, Vec<i64>) = claims.iter().copied().unzip();
     let tx = client.transaction().await?;
+    tx.batch_execute(&format!(
+        "SET LOCAL lock_timeout = {}",
+        RELEASE_LOCK_WAIT.as_millis()
+    ))
+    .await?;
     if !attempt_spent {
+        // Bound to this very transaction: the trigger compares it with
+        // its own transaction id.
         tx.execute(
-            "SELECT set_config('newsnack.attempt_unspent', 'on', true)",
+            "SELECT set_config('newsnack.attempt_unspent', txid_current()::text, true)",
             &[],
         )
         .await?;

@@ -60,6 +60,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "unspent attempts",
         sql: include_str!("../../sql/0009_unspent_attempts.sql"),
     },
+    Migration {
+        version: 10,
+        name: "unspent attempts per transaction",
+        sql: include_str!("../../sql/0010_unspent_attempts_per_transaction.sql"),
+    },
 ];
 
 /// What a migration run did.

@@ -28,7 +28,7 @@
 //! Slow clients: a stream is ended when the transition it is about to send
 //! is more than [`MAX_FALL_BEHIND`] (10,000) transitions further behind the
 //! newest published one than the stream has ever been since it started,
-//! and was published more than [`MAX_DELAY`] (5 s) ago. A live client may
+//! and was published more than [`MAX_DELAY`] (10 s) ago. A live client may
 //! thus fall 10,000 behind; a replay from `since=0` may take as long as it
 //! needs, as long as it does not lose more than 10,000 of the ground it has
 //! gained; and a single commit of many transitions, which puts every client
@@ -100,7 +100,7 @@ pub const MAX_FALL_BEHIND: i64 = 10_000;
 /// How long ago the transition a stream is about to send may have been
 /// published, at most, when the stream is that far behind (see the module
 /// docs).
-pub const MAX_DELAY: Duration = Duration::from_secs(5);
+pub const MAX_DELAY: Duration = Duration::from_secs(10);
 
 /// The most bytes of events gathered into one write.
 const MAX_CHUNK: usize = 64 * 1024;

@@ -1,0 +1,66 @@
+-- 0010: the give-back of 0009 applies to the transaction that asks for it.
+--
+-- 0009 honoured `newsnack.attempt_unspent = on` from wherever it was set: a
+-- session-level `SET`, or `ALTER DATABASE .. SET`, made every failure in
+-- those sessions, the service's own and the reaper's included, give its
+-- attempt back, so failing issues were retried without end. Now the
+-- setting must hold the id of the very transaction that moves the issue
+-- (`SELECT set_config('newsnack.attempt_unspent', txid_current()::text,
+-- true)`); any other value is ignored. Everything else is as in 0009.
+
+CREATE OR REPLACE FUNCTION issue_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.processing_status IS NOT DISTINCT FROM OLD.processing_status THEN
+        -- Not a transition. Only a live claim's lease and holder may move.
+        IF NEW.processing_status <> 'IN_PROGRESS' THEN
+            NEW.lease_until := OLD.lease_until;
+        END IF;
+        NEW.claim_id := OLD.claim_id;
+        NEW.attempts := OLD.attempts;
+        RETURN NEW;
+    END IF;
+    IF NOT issue_transition_is_legal(OLD.processing_status, NEW.processing_status) THEN
+        RAISE EXCEPTION 'illegal status transition for issue %: % -> %',
+            OLD.id, OLD.processing_status, NEW.processing_status
+            USING ERRCODE = 'check_violation',
+                  HINT = 'legal: PENDING->IN_PROGRESS, FAILED->IN_PROGRESS, IN_PROGRESS->DONE, IN_PROGRESS->FAILED, FAILED->PENDING';
+    END IF;
+    NEW.updated_at := now();
+    CASE NEW.processing_status
+        WHEN 'IN_PROGRESS' THEN
+            -- Every claim, by anyone, is a new attempt with a new fencing token.
+            NEW.attempts := OLD.attempts + 1;
+            NEW.retry_not_before := NULL;
+            -- A fresh token unless the statement drew a newer one itself:
+            -- never none, and never one this issue had before.
+            IF NEW.claim_id IS NULL OR OLD.claim_id IS NOT NULL AND NEW.claim_id <= OLD.claim_id THEN
+                NEW.claim_id := nextval('issue_claim_id_seq');
+            END IF;
+            IF NEW.lease_until IS NULL OR NEW.lease_until IS NOT DISTINCT FROM OLD.lease_until THEN
+                NEW.lease_until := now() + make_interval(secs => newsnack_lease_seconds());
+            END IF;
+        WHEN 'PENDING' THEN
+            -- Operator reset: a fresh start with a full retry budget.
+            NEW.attempts := 0;
+            NEW.last_error := NULL;
+            NEW.retry_not_before := NULL;
+            NEW.lease_until := NULL;
+            NEW.claimed_by := NULL;
+        WHEN 'DONE' THEN
+            NEW.attempts := OLD.attempts;
+            NEW.last_error := NULL;
+            NEW.lease_until := NULL;
+        ELSE -- FAILED
+            -- A claim given back before its generation began (an instance
+            -- shutting down with work still queued) returns its attempt when
+            -- the releasing transaction says so, naming itself.
+            IF current_setting('newsnack.attempt_unspent', true) = txid_current()::text THEN
+                NEW.attempts := greatest(OLD.attempts - 1, 0);
+            ELSE
+                NEW.attempts := OLD.attempts;
+            END IF;
+            NEW.lease_until := NULL;
+    END CASE;
+    RETURN NEW;
+END
+$$;
