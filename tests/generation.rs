@@ -691,6 +691,17 @@ struct HeldWriter {
     release: watch::Receiver<bool>,
 }
 
+/// A [`HeldWriter`], the count of its calls, and its release.
+fn held_writer() -> (Arc<HeldWriter>, watch::Receiver<u32>, watch::Sender<bool>) {
+    let (called, calls) = watch::channel(0u32);
+    let (release, held) = watch::channel(false);
+    let writer = HeldWriter {
+        called,
+        release: held,
+    };
+    (Arc::new(writer), calls, release)
+}
+
 impl writer::Writer for HeldWriter {
     fn name(&self) -> &str {
         "held"
@@ -736,13 +747,8 @@ async fn a_row_held_by_another_system_holds_up_only_its_own_completion() {
     db.set("lease_s", "600").await;
     let ids = db.add_issues(3).await;
     let (held, others) = (ids[0], &ids[1..]);
-    let (called, mut calls) = watch::channel(0u32);
-    let (release, released) = watch::channel(false);
-    let writer = HeldWriter {
-        called,
-        release: released,
-    };
-    let service = db.serve("row-held", Arc::new(writer)).await;
+    let (writer, mut calls, release) = held_writer();
+    let service = db.serve("row-held", writer).await;
     let deferred_before = completions_deferred(service.addr).await;
     let http = reqwest::Client::new();
     let (status, body) = post_ids(&http, service.addr, &[held]).await;
@@ -808,7 +814,6 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     use newsnack::db::issue::ClaimScope;
     use newsnack::settings::SettingsCache;
     use newsnack::worker::Generator;
-    use tokio::sync::watch;
 
     let db = TestDb::new().await;
     // A lease far longer than the test: only the retried write can finish it.
@@ -827,14 +832,10 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     .await
     .unwrap();
     let settings = Arc::new(SettingsCache::new(db.pool.clone(), hub.settings_changed()));
-    let (called, mut calls) = watch::channel(0u32);
-    let (release, held) = watch::channel(false);
+    let (writer, mut calls, release) = held_writer();
     let (generator, handle) = Generator::new(
         pool.clone(),
-        Arc::new(HeldWriter {
-            called,
-            release: held,
-        }),
+        writer,
         settings,
         hub.settings_changed(),
         Duration::from_secs(5),
@@ -889,13 +890,8 @@ async fn shutdown_releases_unfinished_generations_as_failed() {
     let ids = db.add_issues(3).await;
     // A writer that is never released: the first call hangs, the others
     // wait for its slot.
-    let (called, mut calls) = watch::channel(0u32);
-    let (_release, held) = watch::channel(false);
-    let writer = HeldWriter {
-        called,
-        release: held,
-    };
-    let service = db.serve("stopping", Arc::new(writer)).await;
+    let (writer, mut calls, _release) = held_writer();
+    let service = db.serve("stopping", writer).await;
     let (status, body) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
     assert_eq!(status, 202, "{body}");
     within(30, "the first call to start", calls.wait_for(|n| *n == 1))
