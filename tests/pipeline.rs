@@ -752,6 +752,65 @@ async fn the_server_alone_says_which_session_holds_the_pipeline_lock() {
     .is_none());
 }
 
+/// A lock session this process let go of but the server still keeps (its
+/// connection broken silently, so the server notices only when its TCP
+/// keepalive gives up, two hours by default) is ended when this process
+/// takes the lock again; a session of another process is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_session_this_process_let_go_of_does_not_keep_the_lock() {
+    use newsnack::db::advisory::{self, AdvisoryLock};
+    let db = TestDb::new().await;
+    // A session like the ones this process's locks open, holding the lock
+    // with no `AdvisoryLock` of this process owning it.
+    let hold_as = |name: String| {
+        let mut config = db.config.clone();
+        config.application_name(name);
+        async move {
+            let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+            let ended = tokio::spawn(connection);
+            client
+                .execute("SELECT pg_advisory_lock($1)", &[&advisory::PIPELINE])
+                .await
+                .unwrap();
+            (client, ended)
+        }
+    };
+    let (foreign, _foreign_connection) =
+        hold_as("newsnack-lock:pipeline:0000beef:another-process".into()).await;
+    assert!(
+        AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "taker")
+            .await
+            .unwrap()
+            .is_none(),
+        "another process's lock is never taken away"
+    );
+    assert!(!foreign.is_closed());
+    drop(foreign);
+
+    let (orphan, orphan_connection) =
+        hold_as(advisory::session_name(advisory::PIPELINE, "orphan")).await;
+    let orphan_pid: i32 = orphan
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let taken = AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "taker")
+        .await
+        .unwrap()
+        .expect("the orphaned session is ended and the lock taken");
+    within(10, "the orphaned session to end", orphan_connection)
+        .await
+        .unwrap()
+        .expect_err("ended by the server");
+    let client = db.pool.get().await.unwrap();
+    assert!(advisory::held_by(&client, advisory::PIPELINE, taken.pid())
+        .await
+        .unwrap());
+    assert!(!advisory::held_by(&client, advisory::PIPELINE, orphan_pid)
+        .await
+        .unwrap());
+}
+
 /// A TCP proxy to the test database that loses the answer to one commit:
 /// on the first connection that records a run's outcome (`UPDATE
 /// pipeline_run SET finished_at ...`), it lets the `COMMIT` that follows

@@ -22,6 +22,10 @@ pub fn name_of(key: i64) -> &'static str {
     }
 }
 
+/// How long taking a lock waits for an orphaned session of this process
+/// (see [`own_orphan`]) to end once told to.
+const ORPHAN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// How long a lock session may take to answer a ping.
 const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long an explicit unlock may take before the session is just closed.
@@ -70,44 +74,35 @@ impl AdvisoryLock {
         wait: Option<std::time::Duration>,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
         let mut config = config.clone();
-        config.application_name(format!("newsnack-lock:{}:{holder}", name_of(key)));
+        config.application_name(session_name(key, holder));
         let (client, session_ended) = super::connect_watched(&config).await?;
-        let taken = match wait {
-            None => {
-                client
-                    .query_one("SELECT pg_try_advisory_lock($1), pg_backend_pid()", &[&key])
-                    .await?
-            }
-            Some(wait) => {
-                client
-                    .batch_execute(&format!("SET lock_timeout = {}", wait.as_millis().max(1)))
-                    .await?;
-                let waited = client
-                    .query_one(
-                        "SELECT true, pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l",
-                        &[&key],
-                    )
-                    .await;
-                match waited {
-                    Err(e)
-                        if e.code()
-                            == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
-                    {
-                        return Ok(None)
-                    }
-                    waited => {
-                        let row = waited?;
-                        client.batch_execute("RESET lock_timeout").await?;
-                        row
+        let mut taken = take(&client, key, wait).await?;
+        if taken.is_none() {
+            if let Some(orphan) = own_orphan(&client, key).await? {
+                tracing::warn!(
+                    pid = orphan,
+                    lock = name_of(key),
+                    "a lock session this process let go of still holds the lock; ending it"
+                );
+                match client
+                    .execute("SELECT pg_terminate_backend($1)", &[&orphan])
+                    .await
+                {
+                    Ok(_) => taken = take(&client, key, Some(ORPHAN_WAIT)).await?,
+                    Err(e) => {
+                        tracing::warn!(pid = orphan, error = %e, "cannot end the orphaned lock session")
                     }
                 }
             }
-        };
-        Ok(taken.get::<_, bool>(0).then(|| AdvisoryLock {
-            client,
-            key,
-            pid: taken.get(1),
-            session_ended,
+        }
+        Ok(taken.map(|pid| {
+            live_sessions().insert(pid);
+            AdvisoryLock {
+                client,
+                key,
+                pid,
+                session_ended,
+            }
         }))
     }
 
@@ -158,6 +153,97 @@ impl AdvisoryLock {
         };
         let _ = tokio::time::timeout(RELEASE_TIMEOUT, unlock).await;
     }
+}
+
+impl Drop for AdvisoryLock {
+    fn drop(&mut self) {
+        live_sessions().remove(&self.pid);
+    }
+}
+
+/// Takes `key` on `client`, waiting up to `wait` if given; the session's
+/// backend pid if taken.
+async fn take(
+    client: &tokio_postgres::Client,
+    key: i64,
+    wait: Option<std::time::Duration>,
+) -> Result<Option<i32>, super::DbError> {
+    let Some(wait) = wait else {
+        let row = client
+            .query_one("SELECT pg_try_advisory_lock($1), pg_backend_pid()", &[&key])
+            .await?;
+        return Ok(row.get::<_, bool>(0).then(|| row.get(1)));
+    };
+    client
+        .batch_execute(&format!("SET lock_timeout = {}", wait.as_millis().max(1)))
+        .await?;
+    let waited = client
+        .query_one(
+            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l",
+            &[&key],
+        )
+        .await;
+    match waited {
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+            client.batch_execute("RESET lock_timeout").await?;
+            Ok(None)
+        }
+        waited => {
+            let row = waited?;
+            client.batch_execute("RESET lock_timeout").await?;
+            Ok(Some(row.get(0)))
+        }
+    }
+}
+
+/// The `application_name` of this process's lock sessions for `key`:
+/// `newsnack-lock:<lock>:<process mark>:<holder>`.
+pub fn session_name(key: i64, holder: &str) -> String {
+    format!("newsnack-lock:{}:{}:{holder}", name_of(key), process_mark())
+}
+
+/// Eight hex digits drawn once per process, which tell its lock sessions
+/// from every other process's, whatever the instances are named.
+fn process_mark() -> &'static str {
+    static MARK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MARK.get_or_init(|| format!("{:08x}", rand::random::<u32>()))
+}
+
+/// Backend pids of the lock sessions this process holds through a live
+/// [`AdvisoryLock`].
+fn live_sessions() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<i32>> {
+    static LIVE: std::sync::Mutex<std::collections::BTreeSet<i32>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A session of this process (by its `application_name`) that holds `key`
+/// though no live [`AdvisoryLock`] of this process owns it: one it let go
+/// of (a ping that went unanswered, the connection closed on this side)
+/// while the server has not noticed yet. Over a silently broken network the
+/// server notices only when its TCP keepalive gives up, by default after
+/// two hours, and until then no instance could take the lock. Only this
+/// process's own sessions qualify, so another instance's lock is never
+/// taken away.
+async fn own_orphan(
+    client: &tokio_postgres::Client,
+    key: i64,
+) -> Result<Option<i32>, super::DbError> {
+    let prefix = format!("newsnack-lock:{}:{}:", name_of(key), process_mark());
+    let live: Vec<i32> = live_sessions().iter().copied().collect();
+    let row = client
+        .query_opt(
+            "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
+                AND starts_with(a.application_name, $2)
+                AND l.pid <> pg_backend_pid() AND NOT l.pid = ANY($3)
+              LIMIT 1",
+            &[&key, &prefix, &live],
+        )
+        .await?;
+    Ok(row.map(|r| r.get(0)))
 }
 
 /// An advisory lock someone holds, as `newsnack locks` lists it.
