@@ -339,6 +339,7 @@ async fn start_service(url: &str, instance: &str) -> RunningService {
             pool_size: SERVICE_POOL,
             grace: Duration::from_secs(5),
             api_token: None,
+            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
         },
         Arc::new(OfflineWriter) as SharedWriter,
     )

@@ -112,6 +112,7 @@ async fn bench() {
             pool_size: 16,
             grace: Duration::from_secs(5),
             api_token: None,
+            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
         },
         Arc::new(OfflineWriter) as SharedWriter,
     )

@@ -110,6 +110,10 @@ pub struct ServeArgs {
     /// (`Authorization: Bearer <token>`); unset or empty: no token needed.
     #[arg(long, env = "NEWSNACK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
+    /// Claimed issues this instance may hold unfinished before
+    /// `POST /ai-articles` answers 503 (try later, or another instance).
+    #[arg(long, env = "NEWSNACK_MAX_BACKLOG", default_value_t = crate::serve::ServeOptions::DEFAULT_MAX_BACKLOG as u32, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_backlog: u32,
 }
 
 #[derive(Debug, Args)]
@@ -241,6 +245,7 @@ async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliErro
         pool_size: args.pool_size as usize,
         grace: Duration::from_secs(args.grace_s),
         api_token: args.api_token.filter(|t| !t.trim().is_empty()),
+        max_backlog: args.max_backlog as usize,
     };
     let embedded = options.database_url.is_none();
     // Watched before start-up (which may start a throwaway cluster): a

@@ -39,6 +39,15 @@ pub struct ServeOptions {
     /// When set (non-empty), non-read API requests need
     /// `Authorization: Bearer <token>`.
     pub api_token: Option<String>,
+    /// Claimed issues this instance may hold unfinished before
+    /// `POST /ai-articles` turns new requests away with 503.
+    pub max_backlog: usize,
+}
+
+impl ServeOptions {
+    /// Enough to keep the LLM busy for long; few enough that every queued
+    /// claim's lease is heartbeated in time.
+    pub const DEFAULT_MAX_BACKLOG: usize = 10_000;
 }
 
 /// Why the service could not start or run.
@@ -282,6 +291,7 @@ pub async fn start(
         settings: core.settings.clone(),
         shutdown: shutdown.clone(),
         api_token: options.api_token.clone(),
+        max_backlog: options.max_backlog,
     });
     let socket = tokio::net::TcpListener::bind(options.listen)
         .await

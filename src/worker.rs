@@ -55,6 +55,8 @@ pub enum Generated {
 pub struct GeneratorHandle {
     queue: mpsc::UnboundedSender<ClaimedIssue>,
     pool: DbPool,
+    /// Claims handed in and not finished yet.
+    backlog: Arc<AtomicUsize>,
 }
 
 impl GeneratorHandle {
@@ -66,11 +68,19 @@ impl GeneratorHandle {
     pub async fn submit(&self, issues: Vec<ClaimedIssue>) {
         let mut refused = Vec::new();
         for issue in issues {
+            self.backlog.fetch_add(1, Ordering::SeqCst);
             if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
+                self.backlog.fetch_sub(1, Ordering::SeqCst);
                 refused.push((issue.id, issue.claim_id));
             }
         }
         release_as_shutdown(&self.pool, refused, false).await;
+    }
+
+    /// Claims handed in and not finished yet (queued for a slot, being
+    /// written, or being recorded).
+    pub fn backlog(&self) -> usize {
+        self.backlog.load(Ordering::SeqCst)
     }
 }
 
@@ -110,6 +120,7 @@ pub struct Generator {
     settings: Arc<SettingsCache>,
     settings_changed: tokio::sync::watch::Receiver<u64>,
     queue: mpsc::UnboundedReceiver<ClaimedIssue>,
+    backlog: Arc<AtomicUsize>,
     /// How long in-flight generations may run on after shutdown.
     grace: Duration,
 }
@@ -124,6 +135,7 @@ impl Generator {
     ) -> (Generator, GeneratorHandle) {
         let (tx, rx) = mpsc::unbounded_channel();
         let handle_pool = pool.clone();
+        let backlog = Arc::new(AtomicUsize::new(0));
         (
             Generator {
                 completer: Completer::start(pool.clone(), writer.name()),
@@ -132,11 +144,13 @@ impl Generator {
                 settings,
                 settings_changed,
                 queue: rx,
+                backlog: backlog.clone(),
                 grace,
             },
             GeneratorHandle {
                 queue: tx,
                 pool: handle_pool,
+                backlog,
             },
         )
     }
@@ -161,6 +175,7 @@ impl Generator {
                 Some(done) = inflight.join_next_with_id(), if !inflight.is_empty() => {
                     let id = match &done { Ok((id, _)) => *id, Err(e) => e.id() };
                     claims.remove(&id);
+                    self.backlog.fetch_sub(1, Ordering::SeqCst);
                 }
                 Some(claimed) = self.queue.recv() => {
                     let in_flight = InFlight {

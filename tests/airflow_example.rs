@@ -75,6 +75,7 @@ async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
             pool_size: 8,
             grace: Duration::from_secs(5),
             api_token: token.map(str::to_string),
+            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
         },
         Arc::new(RefusingWriter),
     )

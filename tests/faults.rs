@@ -76,6 +76,7 @@ async fn start_service(
             pool_size,
             grace: Duration::from_secs(2),
             api_token: None,
+            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
         },
         writer,
     )

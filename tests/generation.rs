@@ -804,6 +804,57 @@ async fn a_row_held_by_another_system_holds_up_only_its_own_completion() {
     service.stop().await.unwrap();
 }
 
+/// An instance holding `max_backlog` unfinished claims turns further
+/// requests away with 503 and `Retry-After`, claiming nothing, and takes
+/// work again once its backlog is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_backlog_turns_claims_away_until_it_is_written() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(4).await;
+    let (writer, mut calls, release) = held_writer();
+    let mut options = db.serve_options("backlogged");
+    options.max_backlog = 3;
+    let service = newsnack::serve::start(options, writer).await.unwrap();
+    let http = reqwest::Client::new();
+    let (status, body) = post_ids(&http, service.addr, &ids[..3]).await;
+    assert_eq!(status, 202, "{body}");
+    within(30, "the writer to be called", calls.wait_for(|n| *n >= 1))
+        .await
+        .unwrap();
+
+    let refused = http
+        .post(format!("http://{}/ai-articles", service.addr))
+        .json(&serde_json::json!({ "issue_ids": [ids[3]] }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 503);
+    assert_eq!(refused.headers()["retry-after"], "5");
+    let body: serde_json::Value = refused.json().await.unwrap();
+    let error = body["error"].as_str().unwrap();
+    assert!(error.contains("limit 3"), "{error}");
+    assert_eq!(db.status_of(ids[3]).await, "PENDING", "nothing claimed");
+
+    release.send_replace(true);
+    for &id in &ids[..3] {
+        until_status(&db, &service.hub, 30, id, "DONE").await;
+    }
+    // The backlog counts down as each task ends, just after its commit.
+    within(30, "the backlog to empty", async {
+        loop {
+            let (status, body) = post_ids(&http, service.addr, &ids[3..]).await;
+            if status != 503 {
+                assert_eq!(status, 202, "{body}");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    until_status(&db, &service.hub, 30, ids[3], "DONE").await;
+    service.stop().await.unwrap();
+}
+
 /// An article written while the database is briefly out of reach is
 /// recorded once it is back, within the same attempt: the fenced write is
 /// tried again (the heartbeat keeps the claim meanwhile) instead of the

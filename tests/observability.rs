@@ -54,6 +54,7 @@ async fn serve_with_token(
             pool_size: 16,
             grace: Duration::from_secs(5),
             api_token: api_token.map(str::to_string),
+            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
         },
         writer,
     )

@@ -9,6 +9,13 @@
 //! concurrent requests into one statement; the `DONE` ids it reports are
 //! remembered. What a claim took reaches the generator even if the client
 //! hangs up before the answer.
+//!
+//! An instance holding `max_backlog` (`NEWSNACK_MAX_BACKLOG`, 10,000)
+//! unfinished claims turns new requests away with 503 and `Retry-After`,
+//! claiming nothing: every claim it holds is heartbeated until written, so
+//! an unbounded backlog would end in leases running out before their turn
+//! (each spending an attempt). Another instance, or a later request, takes
+//! them.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -35,12 +42,20 @@ pub struct ArticleRequest {
 #[utoipa::path(post, path = "/ai-articles", request_body = ArticleRequest, tag = "generation",
     responses((status = 202, description = "`{\"claimed\":[..],\"skipped\":[..]}`; generated in the background"),
               (status = 409, description = "nothing was claimable; same fields plus `error`"),
+              (status = 503, description = "this instance holds `NEWSNACK_MAX_BACKLOG` unfinished claims; nothing claimed, `Retry-After` says when to try again"),
               (status = 422, description = "invalid id list")))]
 pub async fn request_articles(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ArticleRequest>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     input::check_ids("issue_ids", &request.issue_ids)?;
+    let backlog = state.generator.backlog();
+    if backlog >= state.max_backlog {
+        return Err(ApiError::Overloaded(format!(
+            "this instance has {backlog} claimed issues still to write (limit {}); try again later",
+            state.max_backlog
+        )));
+    }
     let (open, done) = state.done.split(&request.issue_ids);
     if !done.is_empty() {
         crate::metrics::claims_skipped_known_done(done.len());

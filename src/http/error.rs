@@ -17,6 +17,9 @@ use crate::input::InvalidInput;
 
 /// The `Retry-After` of a 503, in seconds.
 pub const RETRY_AFTER_S: &str = "1";
+/// The `Retry-After` of a 503 for an instance with too much work queued:
+/// about how long a few generations take.
+pub const OVERLOADED_RETRY_AFTER_S: &str = "5";
 
 /// An API failure.
 #[derive(Debug)]
@@ -30,6 +33,9 @@ pub enum ApiError {
     /// 503 with `Retry-After`: the database is out of reach or out of
     /// connections.
     Unavailable(String),
+    /// 503 with `Retry-After` and this message: this instance has more
+    /// work than it takes on.
+    Overloaded(String),
     /// 500: logged in full, answered briefly.
     Internal(String),
 }
@@ -67,6 +73,15 @@ impl IntoResponse for ApiError {
                 tracing::warn!(%message, "answering 503");
                 let body = serde_json::json!({ "error": "the database is busy or unreachable; try again" });
                 let retry_after = [(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S))];
+                return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
+            }
+            ApiError::Overloaded(message) => {
+                tracing::warn!(%message, "answering 503");
+                let body = serde_json::json!({ "error": message });
+                let retry_after = [(
+                    header::RETRY_AFTER,
+                    HeaderValue::from_static(OVERLOADED_RETRY_AFTER_S),
+                )];
                 return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
             }
             ApiError::Internal(message) => {

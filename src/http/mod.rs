@@ -56,6 +56,9 @@ pub struct AppState {
     /// When set (non-empty), non-read requests need `Authorization: Bearer`
     /// with it ([`auth`]).
     pub api_token: Option<String>,
+    /// `POST /ai-articles` answers 503 while the generator holds this many
+    /// unfinished claims.
+    pub max_backlog: usize,
 }
 
 /// The whole API.

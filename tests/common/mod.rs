@@ -231,19 +231,22 @@ impl TestDb {
 
     /// Starts the whole service in-process on a free port, with `writer`.
     pub async fn serve(&self, instance: &str, writer: SharedWriter) -> RunningService {
-        newsnack::serve::start(
-            ServeOptions {
-                listen: "127.0.0.1:0".parse().unwrap(),
-                database_url: Some(self.url.clone()),
-                instance: instance.into(),
-                pool_size: 16,
-                grace: Duration::from_secs(5),
-                api_token: None,
-            },
-            writer,
-        )
-        .await
-        .expect("start the service")
+        newsnack::serve::start(self.serve_options(instance), writer)
+            .await
+            .expect("start the service")
+    }
+
+    /// What [`TestDb::serve`] starts the service with.
+    pub fn serve_options(&self, instance: &str) -> ServeOptions {
+        ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            database_url: Some(self.url.clone()),
+            instance: instance.into(),
+            pool_size: 16,
+            grace: Duration::from_secs(5),
+            api_token: None,
+            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
+        }
     }
 
     /// Sets a runtime setting through SQL, as an operator would.
