@@ -224,10 +224,11 @@ impl Generator {
             }
             !withdrawn
         });
-        release_as_shutdown(&self.pool, unstarted, false).await;
-        // The others may finish within the grace period.
+        // The others may finish within the grace period, which counts from
+        // now.
         let deadline = tokio::time::sleep(self.grace);
         tokio::pin!(deadline);
+        release_as_shutdown(&self.pool, unstarted, false).await;
         while !inflight.is_empty() {
             tokio::select! {
                 _ = &mut deadline => break,

@@ -686,8 +686,9 @@ async fn issue_state(
 /// A heartbeat, completion or failure meeting the row of its issue held by
 /// another transaction (a system editing it with plain SQL, not committing)
 /// does not wait for it: it says so at once, and is tried again once the
-/// row is free. Waiting, every claim's beat would hold a pooled connection
-/// for as long as the other transaction stays open. An issue deleted under
+/// row is free (a shutdown's release passes it by). Waiting, every claim's
+/// beat would hold a pooled connection for as long as the other transaction
+/// stays open. An issue deleted under
 /// a claim reads as a lost claim, not as a held row.
 #[tokio::test]
 async fn fenced_writes_do_not_wait_for_a_row_another_transaction_holds() {
@@ -732,6 +733,16 @@ async fn fenced_writes_do_not_wait_for_a_row_another_transaction_holds() {
     assert_eq!(
         within(10, "a failure on a held row", failed).await.unwrap(),
         Fenced::Busy
+    );
+    // A shutdown's release passes it by (its lease brings it back).
+    let mut releasing = db.pool.get().await.unwrap();
+    let claims = [(id, claim)];
+    let released = newsnack::db::issue::release(&mut releasing, &claims, "shutdown", false);
+    assert_eq!(
+        within(10, "a release of a held row", released)
+            .await
+            .unwrap(),
+        0
     );
     held.commit().await.unwrap();
     assert!(heartbeat(&client, id, claim, lease).await.unwrap());

@@ -43,6 +43,8 @@ pub struct AdvisoryLock {
     pid: i32,
     /// Cancelled when the session, and so the lock, is gone.
     session_ended: tokio_util::sync::CancellationToken,
+    /// Keeps the session off [`end_own_orphan`]'s list while this lives.
+    _live: LiveSession,
 }
 
 impl AdvisoryLock {
@@ -76,33 +78,34 @@ impl AdvisoryLock {
         let mut config = config.clone();
         config.application_name(session_name(key, holder));
         let (client, session_ended) = super::connect_watched(&config).await?;
+        // Registered before it may hold the lock, so that no other task of
+        // this process takes it for an orphan meanwhile.
+        let pid: i32 = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await?
+            .get(0);
+        let live = LiveSession::register(pid);
         let mut taken = take(&client, key, wait).await?;
-        if taken.is_none() {
-            if let Some(orphan) = own_orphan(&client, key).await? {
-                tracing::warn!(
-                    pid = orphan,
-                    lock = name_of(key),
-                    "a lock session this process let go of still holds the lock; ending it"
-                );
-                match client
-                    .execute("SELECT pg_terminate_backend($1)", &[&orphan])
-                    .await
-                {
-                    Ok(_) => taken = take(&client, key, Some(ORPHAN_WAIT)).await?,
-                    Err(e) => {
-                        tracing::warn!(pid = orphan, error = %e, "cannot end the orphaned lock session")
-                    }
+        if !taken {
+            match end_own_orphan(&client, key).await {
+                Ok(Some(orphan)) => {
+                    tracing::warn!(
+                        pid = orphan,
+                        lock = name_of(key),
+                        "a lock session this process let go of still held the lock; ended it"
+                    );
+                    taken = take(&client, key, Some(ORPHAN_WAIT)).await?;
                 }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot look for an orphaned lock session"),
             }
         }
-        Ok(taken.map(|pid| {
-            live_sessions().insert(pid);
-            AdvisoryLock {
-                client,
-                key,
-                pid,
-                session_ended,
-            }
+        Ok(taken.then_some(AdvisoryLock {
+            client,
+            key,
+            pid,
+            session_ended,
+            _live: live,
         }))
     }
 
@@ -155,45 +158,28 @@ impl AdvisoryLock {
     }
 }
 
-impl Drop for AdvisoryLock {
-    fn drop(&mut self) {
-        live_sessions().remove(&self.pid);
-    }
-}
-
-/// Takes `key` on `client`, waiting up to `wait` if given; the session's
-/// backend pid if taken.
+/// Takes `key` on `client`, waiting up to `wait` if given; whether taken.
 async fn take(
     client: &tokio_postgres::Client,
     key: i64,
     wait: Option<std::time::Duration>,
-) -> Result<Option<i32>, super::DbError> {
+) -> Result<bool, super::DbError> {
     let Some(wait) = wait else {
         let row = client
-            .query_one("SELECT pg_try_advisory_lock($1), pg_backend_pid()", &[&key])
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
             .await?;
-        return Ok(row.get::<_, bool>(0).then(|| row.get(1)));
+        return Ok(row.get(0));
     };
     client
         .batch_execute(&format!("SET lock_timeout = {}", wait.as_millis().max(1)))
         .await?;
-    let waited = client
-        .query_one(
-            "SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l",
-            &[&key],
-        )
-        .await;
-    match waited {
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
-            client.batch_execute("RESET lock_timeout").await?;
-            Ok(None)
-        }
-        waited => {
-            let row = waited?;
-            client.batch_execute("RESET lock_timeout").await?;
-            Ok(Some(row.get(0)))
-        }
-    }
+    let waited = client.execute("SELECT pg_advisory_lock($1)", &[&key]).await;
+    let taken = match waited {
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => false,
+        waited => waited.map(|_| true)?,
+    };
+    client.batch_execute("RESET lock_timeout").await?;
+    Ok(taken)
 }
 
 /// The `application_name` of this process's lock sessions for `key`:
@@ -202,48 +188,76 @@ pub fn session_name(key: i64, holder: &str) -> String {
     format!("newsnack-lock:{}:{}:{holder}", name_of(key), process_mark())
 }
 
-/// Eight hex digits drawn once per process, which tell its lock sessions
-/// from every other process's, whatever the instances are named.
+/// Sixteen hex digits drawn once per process, which tell its lock
+/// sessions from every other process's, whatever the instances are named.
 fn process_mark() -> &'static str {
     static MARK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    MARK.get_or_init(|| format!("{:08x}", rand::random::<u32>()))
+    MARK.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
 }
 
-/// Backend pids of the lock sessions this process holds through a live
-/// [`AdvisoryLock`].
-fn live_sessions() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<i32>> {
-    static LIVE: std::sync::Mutex<std::collections::BTreeSet<i32>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+/// A lock session of this process that is not an orphan: registered from
+/// before it asks for its lock until its [`AdvisoryLock`] is dropped.
+/// Counted per backend pid, since the server may hand a pid to a new
+/// session while an object of an ended one still lives.
+struct LiveSession(i32);
+
+impl LiveSession {
+    fn live() -> std::sync::MutexGuard<'static, std::collections::BTreeMap<i32, usize>> {
+        static LIVE: std::sync::Mutex<std::collections::BTreeMap<i32, usize>> =
+            std::sync::Mutex::new(std::collections::BTreeMap::new());
+        LIVE.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn register(pid: i32) -> LiveSession {
+        *Self::live().entry(pid).or_default() += 1;
+        LiveSession(pid)
+    }
+
+    fn pids() -> Vec<i32> {
+        Self::live().keys().copied().collect()
+    }
 }
 
-/// A session of this process (by its `application_name`) that holds `key`
-/// though no live [`AdvisoryLock`] of this process owns it: one it let go
-/// of (a ping that went unanswered, the connection closed on this side)
-/// while the server has not noticed yet. Over a silently broken network the
-/// server notices only when its TCP keepalive gives up, by default after
-/// two hours, and until then no instance could take the lock. Only this
-/// process's own sessions qualify, so another instance's lock is never
-/// taken away.
-async fn own_orphan(
+impl Drop for LiveSession {
+    fn drop(&mut self) {
+        let mut live = Self::live();
+        if let Some(count) = live.get_mut(&self.0) {
+            *count -= 1;
+            if *count == 0 {
+                live.remove(&self.0);
+            }
+        }
+    }
+}
+
+/// Ends a session of this process (by its `application_name`) that holds
+/// `key` though no live [`AdvisoryLock`] of this process owns it: one it
+/// let go of (a ping that went unanswered, the connection closed on this
+/// side) while the server has not noticed yet. Over a silently broken
+/// network the server notices only when its TCP keepalive gives up, by
+/// default after two hours, and until then no instance could take the lock.
+/// Only this process's own sessions qualify, so another instance's lock is
+/// never taken away; found and ended in one statement, so a pid the server
+/// reuses meanwhile is not hit. Returns the pid ended, if any.
+async fn end_own_orphan(
     client: &tokio_postgres::Client,
     key: i64,
 ) -> Result<Option<i32>, super::DbError> {
     let prefix = format!("newsnack-lock:{}:{}:", name_of(key), process_mark());
-    let live: Vec<i32> = live_sessions().iter().copied().collect();
     let row = client
         .query_opt(
-            "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+            "SELECT l.pid, pg_terminate_backend(l.pid)
+               FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
               WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                 AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
                 AND starts_with(a.application_name, $2)
                 AND l.pid <> pg_backend_pid() AND NOT l.pid = ANY($3)
               LIMIT 1",
-            &[&key, &prefix, &live],
+            &[&key, &prefix, &LiveSession::pids()],
         )
         .await?;
-    Ok(row.map(|r| r.get(0)))
+    Ok(row.filter(|r| r.get::<_, bool>(1)).map(|r| r.get(0)))
 }
 
 /// An advisory lock someone holds, as `newsnack locks` lists it.

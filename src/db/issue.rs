@@ -356,7 +356,7 @@ pub enum Fenced {
     /// The claim was current and the write happened.
     Written,
     /// The claim was no longer current (reaped, re-claimed, or finished by
-    /// someone else): nothing was written.
+    /// someone else), or the issue is gone: nothing was written.
     Lost,
     /// Another transaction held the issue's row (a system editing it with
     /// plain SQL): nothing was written, and nothing waited; try again.
@@ -485,16 +485,13 @@ pub async fn fail(
     Ok(single_row_outcome(&row))
 }
 
-/// How long [`release`] waits for rows other transactions hold.
-pub const RELEASE_LOCK_WAIT: Duration = Duration::from_secs(2);
-
 /// Releases claims this instance will not finish: each issue still
 /// `IN_PROGRESS` under its claim is set `FAILED` with `reason`, to be
 /// retried at once by whichever instance remains. `attempt_spent: false`
-/// (the generation never began) gives the claim's attempt back (migration
-/// 9). One statement, one transaction, waiting at most [`RELEASE_LOCK_WAIT`]
-/// for rows other transactions hold (shutdown must end; what is not
-/// released returns with its lease). Returns how many were released.
+/// (the generation never began) gives the claim's attempt back (migrations
+/// 9 and 10). One statement, one transaction; rows other transactions hold
+/// are skipped, not waited for (shutdown must end; they return with their
+/// lease). Returns how many were released.
 pub async fn release(
     client: &mut deadpool_postgres::Client,
     claims: &[(i64, i64)],
@@ -503,11 +500,6 @@ pub async fn release(
 ) -> Result<u64, DbError> {
     let (ids, claim_ids): (Vec<i64>, Vec<i64>) = claims.iter().copied().unzip();
     let tx = client.transaction().await?;
-    tx.batch_execute(&format!(
-        "SET LOCAL lock_timeout = {}",
-        RELEASE_LOCK_WAIT.as_millis()
-    ))
-    .await?;
     if !attempt_spent {
         // Bound to this very transaction: the trigger compares it with
         // its own transaction id.
@@ -519,9 +511,14 @@ pub async fn release(
     }
     let released = tx
         .execute(
-            "UPDATE issue i SET processing_status = 'FAILED', last_error = $3, retry_not_before = NULL
+            "WITH free AS MATERIALIZED (
+                 SELECT id FROM issue WHERE id = ANY($1::bigint[])
+                  ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
+             )
+             UPDATE issue i SET processing_status = 'FAILED', last_error = $3, retry_not_before = NULL
                FROM unnest($1::bigint[], $2::bigint[]) AS c(id, claim_id)
-              WHERE i.id = ANY($1::bigint[]) AND i.id = c.id AND i.claim_id = c.claim_id
+              WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free)
+                AND i.id = c.id AND i.claim_id = c.claim_id
                 AND i.processing_status = 'IN_PROGRESS'",
             &[&ids, &claim_ids, &reason],
         )

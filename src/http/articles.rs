@@ -15,7 +15,10 @@
 //! claiming nothing: every claim it holds is heartbeated until written, so
 //! an unbounded backlog would end in leases running out before their turn
 //! (each spending an attempt). Another instance, or a later request, takes
-//! them.
+//! them. The limit is soft: a request let in may take the backlog past it
+//! by its own size (at most 1,000), and so may requests let in together.
+//! Retries and pipeline runs are not turned away: a retry re-claims an
+//! issue that left the backlog when it failed, and a run claims `top_k`.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -49,13 +52,6 @@ pub async fn request_articles(
     ApiJson(request): ApiJson<ArticleRequest>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     input::check_ids("issue_ids", &request.issue_ids)?;
-    let backlog = state.generator.backlog();
-    if backlog >= state.max_backlog {
-        return Err(ApiError::Overloaded(format!(
-            "this instance has {backlog} claimed issues still to write (limit {}); try again later",
-            state.max_backlog
-        )));
-    }
     let (open, done) = state.done.split(&request.issue_ids);
     if !done.is_empty() {
         crate::metrics::claims_skipped_known_done(done.len());
@@ -63,6 +59,13 @@ pub async fn request_articles(
     let (claimed, mut skipped) = if open.is_empty() {
         (Vec::new(), done)
     } else {
+        let backlog = state.generator.backlog();
+        if backlog >= state.max_backlog {
+            return Err(ApiError::Overloaded(format!(
+                "this instance has {backlog} claimed issues still to write (limit {}); try again later",
+                state.max_backlog
+            )));
+        }
         let settings = state.settings.get().await?;
         // Claimed issues go to the generator from a task of their own: a
         // client that disconnects mid-claim drops this handler, and the
