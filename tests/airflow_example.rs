@@ -13,7 +13,6 @@ mod common;
 
 use std::process::{Output, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{within, TestDb};
 use futures::future::{BoxFuture, FutureExt};
@@ -67,20 +66,14 @@ fn have_python() -> bool {
 }
 
 async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
-    newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(db.url.clone()),
-            instance: "airflow-example".into(),
-            pool_size: 8,
-            grace: Duration::from_secs(5),
-            api_token: token.map(str::to_string),
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        Arc::new(RefusingWriter),
-    )
-    .await
-    .expect("start the service")
+    let options = ServeOptions {
+        pool_size: 8,
+        api_token: token.map(str::to_string),
+        ..db.serve_options("airflow-example")
+    };
+    newsnack::serve::start(options, Arc::new(RefusingWriter))
+        .await
+        .expect("start the service")
 }
 
 /// Runs the example script against `base_url` with `token` in its

@@ -13,7 +13,6 @@ mod common;
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
 
 use common::{within, TestDb};
 use futures::future::{BoxFuture, FutureExt};
@@ -46,20 +45,13 @@ async fn serve_with_token(
     writer: SharedWriter,
     api_token: Option<&str>,
 ) -> RunningService {
-    newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(db.url.clone()),
-            instance: instance.into(),
-            pool_size: 16,
-            grace: Duration::from_secs(5),
-            api_token: api_token.map(str::to_string),
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        writer,
-    )
-    .await
-    .expect("start the service")
+    let options = ServeOptions {
+        api_token: api_token.map(str::to_string),
+        ..db.serve_options(instance)
+    };
+    newsnack::serve::start(options, writer)
+        .await
+        .expect("start the service")
 }
 
 /// One answer: status, headers and the body as JSON (`Value::Null` when the
