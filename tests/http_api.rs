@@ -767,6 +767,51 @@ async fn fenced_writes_do_not_wait_for_a_row_another_transaction_holds() {
     );
 }
 
+/// A late worker's heartbeat, completion or failure for a claim that is no
+/// longer current locks nothing: the issue, reset by another system in the
+/// meantime, stays claimable by the very next request. (Each statement is
+/// run inside a transaction kept open, so a row lock it took would still be
+/// held when the claim comes.)
+#[tokio::test]
+async fn writes_of_a_claim_no_longer_current_lock_nothing() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let lease = Duration::from_secs(60);
+    let client = db.pool.get().await.unwrap();
+    let stale = claim_issues(&client, &[id], "late", lease, ClaimScope::Claimable)
+        .await
+        .unwrap()
+        .claimed[0]
+        .claim_id;
+    let sql = db.raw().await;
+    for status in ["FAILED", "PENDING"] {
+        sql.execute(
+            "UPDATE issue SET processing_status = $2 WHERE id = $1",
+            &[&id, &status],
+        )
+        .await
+        .unwrap();
+    }
+    let mut late = db.pool.get().await.unwrap();
+    let open = late.transaction().await.unwrap();
+    assert!(!heartbeat(&open, id, stale, lease).await.unwrap());
+    assert_eq!(
+        complete(&open, id, stale, "h", "b", "late").await.unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(
+        fail(&open, id, stale, "late", RetryPolicy::After(None))
+            .await
+            .unwrap(),
+        Fenced::Lost
+    );
+    let again = claim_issues(&client, &[id], "next", lease, ClaimScope::Claimable)
+        .await
+        .unwrap();
+    assert_eq!(again.claimed_ids(), vec![id], "the reset issue was skipped");
+    open.rollback().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
     let db = TestDb::new().await;

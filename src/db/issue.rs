@@ -277,30 +277,40 @@ pub async fn claim_issues(
     Ok(ClaimOutcome::of_request(ids, claimed, &done))
 }
 
-/// A fenced write of one issue (`$1`) that does not wait for its row: the
-/// `UPDATE` in `update` (which must use `id IN (SELECT id FROM free)` and
-/// end in `RETURNING id`) runs only if the row was free; the statement then
-/// says whether the row was free, whether it was written, and whether the
-/// issue exists at all. See [`single_row_outcome`].
-fn single_row_write(update: &str) -> String {
+/// A fenced write of issue `$1` under claim `$2` that does not wait for
+/// its row: it sets `set` only if the issue is still `IN_PROGRESS` under
+/// that claim and no other transaction holds the row. Only a row the write
+/// will change is locked: a claim no longer current locks nothing, so a
+/// late worker never makes a concurrent claim skip an issue reset or
+/// re-queued under it. The statement says whether it wrote and whether the
+/// claim was current as of its snapshot; see [`single_row_outcome`].
+fn single_row_write(set: &str) -> String {
     format!(
         "WITH free AS MATERIALIZED (
-             SELECT id FROM issue WHERE id = $1 FOR NO KEY UPDATE SKIP LOCKED
-         ), written AS ({update})
-         SELECT EXISTS (SELECT 1 FROM free), EXISTS (SELECT 1 FROM written),
-                EXISTS (SELECT 1 FROM issue WHERE id = $1)"
+             SELECT id FROM issue
+              WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS'
+                FOR NO KEY UPDATE SKIP LOCKED
+         ), written AS (
+             UPDATE issue SET {set}
+              WHERE id = $1 AND id IN (SELECT id FROM free)
+          RETURNING id
+         )
+         SELECT EXISTS (SELECT 1 FROM written),
+                EXISTS (SELECT 1 FROM issue
+                         WHERE id = $1 AND claim_id = $2 AND processing_status = 'IN_PROGRESS')"
     )
 }
 
-/// What a [`single_row_write`] found: written; not written because the
-/// claim is no longer current or the issue is gone ([`Fenced::Lost`]); or
-/// not tried because another transaction holds the row ([`Fenced::Busy`]).
+/// What a [`single_row_write`] found: written; not written because another
+/// transaction holds the row of a claim still current ([`Fenced::Busy`]);
+/// or not written because the claim is no longer current or the issue is
+/// gone ([`Fenced::Lost`]).
 fn single_row_outcome(row: &tokio_postgres::Row) -> Fenced {
-    let (free, written, exists): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
-    match (free, written, exists) {
-        (_, true, _) => Fenced::Written,
-        (false, _, true) => Fenced::Busy,
-        _ => Fenced::Lost,
+    let (written, current): (bool, bool) = (row.get(0), row.get(1));
+    match (written, current) {
+        (true, _) => Fenced::Written,
+        (false, true) => Fenced::Busy,
+        (false, false) => Fenced::Lost,
     }
 }
 
@@ -318,10 +328,7 @@ pub async fn heartbeat(
 ) -> Result<bool, DbError> {
     let statement = client
         .prepare_cached(&single_row_write(
-            "UPDATE issue SET lease_until = now() + make_interval(secs => $3::float8)
-              WHERE id = $1 AND id IN (SELECT id FROM free)
-                AND claim_id = $2 AND processing_status = 'IN_PROGRESS'
-          RETURNING id",
+            "lease_until = now() + make_interval(secs => $3::float8)",
         ))
         .await?;
     let row = client
@@ -377,23 +384,28 @@ pub struct Completion {
 /// ids, headlines and bodies (one element per completion) and the writer.
 /// The ids are also matched with `= ANY($1)`, so that every plan looks them
 /// up by primary key, however few issues the statistics say are in flight.
-/// Rows another transaction holds are skipped, not waited for: one issue
-/// locked by a system editing it with plain SQL must not hold up every
-/// completion queued behind it. Answers one row per issue that exists: its
-/// id, whether its row was free, and the claim id if it wrote the article
-/// (NULL if the claim was no longer current). Public so that tests can
-/// check its plan.
+/// Only the rows of claims still current are locked, and rows another
+/// transaction holds are skipped, not waited for: one issue locked by a
+/// system editing it with plain SQL must not hold up every completion
+/// queued behind it, and a late worker must not make a concurrent claim
+/// skip an issue reset under it. Answers one row per completion whose claim
+/// was current as of the statement's snapshot: its id, its claim id, and
+/// whether it was written. Public so that tests can check its plan.
 pub const COMPLETE_STATEMENT: &str = "WITH input AS (
          SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[])
                   AS t(id, claim_id, headline, body)
+     ), current AS (
+         SELECT i.id, i.claim_id FROM issue i JOIN input USING (id, claim_id)
+          WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'IN_PROGRESS'
      ), free AS MATERIALIZED (
-         SELECT id FROM issue WHERE id = ANY($1::bigint[])
-          ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
+         SELECT i.id FROM issue i JOIN current USING (id, claim_id)
+          WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'IN_PROGRESS'
+          ORDER BY i.id FOR NO KEY UPDATE OF i SKIP LOCKED
      ), done AS (
          UPDATE issue i SET processing_status = 'DONE'
-           FROM input
-          WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free) AND i.id = input.id
-            AND i.claim_id = input.claim_id AND i.processing_status = 'IN_PROGRESS'
+           FROM current
+          WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free)
+            AND i.id = current.id AND i.claim_id = current.claim_id
       RETURNING i.id, i.claim_id
      ), written AS (
          INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
@@ -401,11 +413,9 @@ pub const COMPLETE_STATEMENT: &str = "WITH input AS (
            FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
       RETURNING issue_id, claim_id
      )
-     SELECT i.id, f.id IS NOT NULL, w.claim_id
-       FROM issue i
-       LEFT JOIN free f ON f.id = i.id
-       LEFT JOIN written w ON w.issue_id = i.id
-      WHERE i.id = ANY($1::bigint[])";
+     SELECT c.id, c.claim_id, w.issue_id IS NOT NULL
+       FROM current c
+       LEFT JOIN written w ON w.issue_id = c.id AND w.claim_id = c.claim_id";
 
 /// Completes claims in one statement (so one transaction): each issue that
 /// is still `IN_PROGRESS` under its very claim is set `DONE` and its article
@@ -419,7 +429,7 @@ pub async fn complete(
     let statement = client.prepare_cached(COMPLETE_STATEMENT).await?;
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
-    let found: BTreeMap<i64, (bool, Option<i64>)> = client
+    let current: BTreeMap<(i64, i64), bool> = client
         .query(
             &statement,
             &[
@@ -432,15 +442,16 @@ pub async fn complete(
         )
         .await?
         .iter()
-        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
         .collect();
     Ok(completions
         .iter()
-        .map(|c| match found.get(&c.id) {
-            Some((_, written)) if *written == Some(c.claim_id) => Fenced::Written,
-            Some((false, _)) => Fenced::Busy,
+        .map(|c| match current.get(&(c.id, c.claim_id)) {
+            Some(true) => Fenced::Written,
+            // Current, but another transaction held the row.
+            Some(false) => Fenced::Busy,
             // Not current, or the issue is gone.
-            _ => Fenced::Lost,
+            None => Fenced::Lost,
         })
         .collect())
 }
@@ -467,12 +478,9 @@ pub async fn fail(
 ) -> Result<Fenced, DbError> {
     let statement = client
         .prepare_cached(&single_row_write(
-            "UPDATE issue SET processing_status = 'FAILED', last_error = $3,
-                    retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
-                                            ELSE now() + make_interval(secs => $4::float8) END
-              WHERE id = $1 AND id IN (SELECT id FROM free)
-                AND claim_id = $2 AND processing_status = 'IN_PROGRESS'
-          RETURNING id",
+            "processing_status = 'FAILED', last_error = $3,
+             retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
+                                     ELSE now() + make_interval(secs => $4::float8) END",
         ))
         .await?;
     let (wait, never): (Option<f64>, bool) = match retry {
@@ -512,14 +520,13 @@ pub async fn release(
     let released = tx
         .execute(
             "WITH free AS MATERIALIZED (
-                 SELECT id FROM issue WHERE id = ANY($1::bigint[])
-                  ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
+                 SELECT i.id FROM issue i
+                   JOIN unnest($1::bigint[], $2::bigint[]) AS c(id, claim_id) USING (id, claim_id)
+                  WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'IN_PROGRESS'
+                  ORDER BY i.id FOR NO KEY UPDATE OF i SKIP LOCKED
              )
              UPDATE issue i SET processing_status = 'FAILED', last_error = $3, retry_not_before = NULL
-               FROM unnest($1::bigint[], $2::bigint[]) AS c(id, claim_id)
-              WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free)
-                AND i.id = c.id AND i.claim_id = c.claim_id
-                AND i.processing_status = 'IN_PROGRESS'",
+              WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free)",
             &[&ids, &claim_ids, &reason],
         )
         .await?;
