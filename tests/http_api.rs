@@ -1418,12 +1418,13 @@ async fn issues_claimed_for_a_client_that_hung_up_are_still_generated() {
     // Whatever was claimed is generated, not left IN_PROGRESS for a lease:
     // every issue is done (with its one article) or was never claimed. (A
     // request still on its way may claim later; what is checked is a state
-    // the service reaches, in one snapshot.)
+    // the service reaches, in one snapshot, after some claim was made.)
     until_sql(
         &db,
         &service.hub,
         20,
-        "SELECT count(*) FILTER (WHERE processing_status = 'IN_PROGRESS') = 0
+        "SELECT count(*) FILTER (WHERE processing_status = 'DONE') > 0
+            AND count(*) FILTER (WHERE processing_status = 'IN_PROGRESS') = 0
             AND count(*) FILTER (WHERE processing_status IN ('DONE', 'PENDING')) = 200
             AND count(*) FILTER (WHERE processing_status = 'DONE')
                 = (SELECT count(*) FROM ai_article)

@@ -466,6 +466,10 @@ async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
     let db = TestDb::new().await;
     scored_issues(&db, &(1..=40).map(f64::from).collect::<Vec<_>>()).await;
     db.set("top_k", "1").await;
+    // The victim may die holding a claim the survivor's next run targets:
+    // a short lease brings it back well within the bounds below.
+    db.set("lease_s", "2").await;
+    db.set("retry_backoff_ms", "50").await;
     let (hub, stop) = db.listener().await;
     let mut a = tokio::task::block_in_place(|| spawn_serve(&db, "alpha"));
     let mut b = tokio::task::block_in_place(|| spawn_serve(&db, "beta"));

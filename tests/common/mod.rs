@@ -289,12 +289,40 @@ impl TestDb {
         rows.iter().map(|r| r.get(0)).collect()
     }
 
-    /// How many issues the lease reaper has failed ("lease expired").
-    pub async fn reaped_issues(&self) -> i64 {
-        self.scalar_i64(
-            "SELECT count(DISTINCT issue_id) FROM issue_transition WHERE reason = 'lease expired'",
-        )
-        .await
+    /// The issues `instance` holds `IN_PROGRESS` now: those it strands when
+    /// it is killed.
+    pub async fn held_by(&self, instance: &str) -> Vec<i64> {
+        let client = self.pool.get().await.unwrap();
+        let rows = client
+            .query(
+                "SELECT id FROM issue WHERE processing_status = 'IN_PROGRESS' AND claimed_by = $1",
+                &[&instance],
+            )
+            .await
+            .unwrap();
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
+    /// How the issues a killed `instance` held came back: how many through
+    /// the lease reaper ("lease expired"), and how many its own completion
+    /// finished (a statement already on the server when the process died
+    /// still commits).
+    pub async fn stranded_fate(&self, stranded: &[i64], instance: &str) -> (i64, i64) {
+        let client = self.pool.get().await.unwrap();
+        let row = client
+            .query_one(
+                "SELECT count(*) FILTER (WHERE reaped),
+                        count(*) FILTER (WHERE NOT reaped AND processing_status = 'DONE'
+                                               AND claimed_by = $2)
+                   FROM (SELECT i.processing_status, i.claimed_by,
+                                EXISTS (SELECT 1 FROM issue_transition t
+                                         WHERE t.issue_id = i.id AND t.reason = 'lease expired') AS reaped
+                           FROM issue i WHERE i.id = ANY($1)) s",
+                &[&stranded, &instance],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
     }
 
     /// An issue's status, for assertions.
