@@ -20,6 +20,9 @@ use crate::group_commit::{each_or_alone, GroupCommit};
 /// Requests merged into one transaction at most.
 const MAX_BATCH: usize = 64;
 
+/// The `last_error` of a claim released because its requester went away.
+pub const UNWANTED_CLAIM: &str = "claim abandoned by its requester";
+
 struct ClaimRequest {
     ids: Vec<i64>,
     lease: Duration,
@@ -87,15 +90,28 @@ async fn run_batch(pool: &DbPool, worker: &str, batch: Vec<ClaimRequest>) {
     join_all(kinds.into_iter().map(|kind| run_kind(pool, worker, kind))).await;
 }
 
-async fn run_kind(pool: &DbPool, worker: &str, requests: Vec<ClaimRequest>) {
+/// Claims for the requests whose requester still waits, and releases at
+/// once what was claimed for one that went away meanwhile (a pipeline run
+/// whose wait decided while it claimed stragglers, say): nothing would
+/// generate it, and it would sit `IN_PROGRESS` until its lease ran out.
+async fn run_kind(pool: &DbPool, worker: &str, mut requests: Vec<ClaimRequest>) {
+    requests.retain(|r| !r.answer.is_closed());
+    if requests.is_empty() {
+        return;
+    }
     let together = claim_together(pool, worker, &requests).await;
     let results = each_or_alone(together, requests.len(), |i| {
         claim_alone(pool, worker, &requests[i])
     })
     .await;
+    let mut unwanted = Vec::new();
     for (request, result) in requests.into_iter().zip(results) {
-        let _ = request.answer.send(result);
+        if let Err(Ok(outcome)) = request.answer.send(result) {
+            unwanted.extend(outcome.claimed.iter().map(|c| (c.id, c.claim_id)));
+        }
     }
+    // Nothing was tried: the attempt is given back.
+    crate::worker::release_claims(pool, unwanted, UNWANTED_CLAIM, false).await;
 }
 
 /// One statement for all of `requests` (same lease and scope). Each id goes

@@ -74,7 +74,7 @@ impl GeneratorHandle {
                 refused.push((issue.id, issue.claim_id));
             }
         }
-        release_as_shutdown(&self.pool, refused, false).await;
+        release_claims(&self.pool, refused, "shutdown", false).await;
     }
 
     /// Claims handed in and not finished yet (queued for a slot, being
@@ -85,29 +85,36 @@ impl GeneratorHandle {
 }
 
 /// Marks claims (`(id, claim_id)`) this instance will not finish `FAILED`
-/// with reason `shutdown` (fenced by their claim), to be retried elsewhere
-/// at once; with `attempt_spent: false` (their generation never began)
-/// their attempt is given back. Best effort: what cannot be written
-/// returns with its lease.
-async fn release_as_shutdown(pool: &DbPool, claims: Vec<(i64, i64)>, attempt_spent: bool) {
+/// with `reason` (fenced by their claim), to be retried at once by
+/// whichever instance takes them; with `attempt_spent: false` (their
+/// generation never began) their attempt is given back. Best effort: what
+/// cannot be written returns with its lease.
+pub(crate) async fn release_claims(
+    pool: &DbPool,
+    claims: Vec<(i64, i64)>,
+    reason: &str,
+    attempt_spent: bool,
+) {
     if claims.is_empty() {
         return;
     }
     let released = async {
         let mut client = pool.get().await?;
-        issue::release(&mut client, &claims, "shutdown", attempt_spent).await
+        issue::release(&mut client, &claims, reason, attempt_spent).await
     };
     match released.await {
         Ok(n) => tracing::info!(
             released = n,
             of = claims.len(),
             attempt_spent,
-            "released unfinished generations as FAILED (shutdown)"
+            reason,
+            "released claims this instance will not finish as FAILED"
         ),
         Err(e) => tracing::warn!(
             count = claims.len(),
             error = %e,
-            "could not release unfinished generations; their lease will"
+            reason,
+            "could not release claims; their lease will"
         ),
     }
 }
@@ -228,7 +235,7 @@ impl Generator {
         // now.
         let deadline = tokio::time::sleep(self.grace);
         tokio::pin!(deadline);
-        release_as_shutdown(&self.pool, unstarted, false).await;
+        release_claims(&self.pool, unstarted, "shutdown", false).await;
         while !inflight.is_empty() {
             tokio::select! {
                 _ = &mut deadline => break,
@@ -241,7 +248,7 @@ impl Generator {
         inflight.abort_all();
         while inflight.join_next().await.is_some() {}
         let cut_short = claims.into_values().map(|task| task.claim).collect();
-        release_as_shutdown(&self.pool, cut_short, true).await;
+        release_claims(&self.pool, cut_short, "shutdown", true).await;
     }
 }
 

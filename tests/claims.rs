@@ -454,3 +454,54 @@ async fn a_batch_that_gets_no_connection_is_answered_at_once() {
         0
     );
 }
+
+/// A claim whose requester went away while its statement ran (a pipeline
+/// run whose wait decided meanwhile, say) is released at once with its
+/// attempt given back, not left `IN_PROGRESS` with nothing to generate it
+/// until its lease runs out. The requester goes away while the batch waits
+/// for the pool's only connection, which the test holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_nobody_waits_for_any_more_is_released() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let (hub, _listening) = db.listener().await;
+    let pool = newsnack::db::pool(
+        db.config.clone(),
+        &newsnack::db::PoolOptions {
+            max_size: 1,
+            wait_timeout: Duration::from_secs(60),
+        },
+    )
+    .unwrap();
+    let busy = pool.get().await.unwrap();
+    let claimer = newsnack::claim::Claimer::start(pool.clone(), "forgetful".into(), 1);
+    let mut claim = Box::pin(claimer.claim(vec![id], LEASE, ClaimScope::Claimable));
+    assert!(futures::poll!(&mut claim).is_pending());
+    within(30, "the batch to wait for a connection", async {
+        while pool.status().waiting == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    drop(claim);
+    drop(busy);
+    common::until_status(&db, &hub, 30, id, "FAILED").await;
+    let row = db
+        .raw()
+        .await
+        .query_one(
+            "SELECT last_error, attempts FROM issue WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, Option<String>>(0).as_deref(),
+        Some(newsnack::claim::UNWANTED_CLAIM)
+    );
+    assert_eq!(
+        row.get::<_, i32>(1),
+        0,
+        "nothing was tried: no attempt spent"
+    );
+}
