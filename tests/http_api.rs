@@ -767,6 +767,51 @@ async fn fenced_writes_do_not_wait_for_a_row_another_transaction_holds() {
     );
 }
 
+/// Another system inserting an article for an issue in flight, in a
+/// transaction it keeps open, does not stall the completion (and every
+/// completion queued behind it in the lane) on the article's unique index:
+/// the issue reads as held, to be tried again, until that transaction ends.
+#[tokio::test]
+async fn a_completion_does_not_wait_for_an_article_another_transaction_is_inserting() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let client = db.pool.get().await.unwrap();
+    let lease = Duration::from_secs(60);
+    let claim = claim_issues(&client, &[id], "mine", lease, ClaimScope::Claimable)
+        .await
+        .unwrap()
+        .claimed[0]
+        .claim_id;
+    let mut other = db.raw().await;
+    let inserting = other.transaction().await.unwrap();
+    inserting
+        .execute(
+            "INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
+             VALUES ($1, 'Theirs', 'Their body.', 'other-system', $2)",
+            &[&id, &claim],
+        )
+        .await
+        .unwrap();
+    let completing = complete(&client, id, claim, "h", "b", "mine");
+    assert_eq!(
+        within(
+            10,
+            "a completion beside an article being inserted",
+            completing
+        )
+        .await
+        .unwrap(),
+        Fenced::Busy
+    );
+    inserting.rollback().await.unwrap();
+    assert_eq!(
+        complete(&client, id, claim, "h", "b", "mine")
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
+}
+
 /// A late worker's heartbeat, completion or failure for a claim that is no
 /// longer current locks nothing: the issue, reset by another system in the
 /// meantime, stays claimable by the very next request. (Each statement is

@@ -388,7 +388,10 @@ pub struct Completion {
 /// transaction holds are skipped, not waited for: one issue locked by a
 /// system editing it with plain SQL must not hold up every completion
 /// queued behind it, and a late worker must not make a concurrent claim
-/// skip an issue reset under it. Answers one row per completion whose claim
+/// skip an issue reset under it. The lock is `FOR UPDATE`, which also
+/// conflicts with the `FOR KEY SHARE` that another transaction's insert of
+/// an article for the issue holds: the article insert would otherwise wait
+/// for that transaction on the unique index. Answers one row per completion whose claim
 /// was current as of the statement's snapshot: its id, its claim id, and
 /// whether it was written. Public so that tests can check its plan.
 pub const COMPLETE_STATEMENT: &str = "WITH input AS (
@@ -400,7 +403,7 @@ pub const COMPLETE_STATEMENT: &str = "WITH input AS (
      ), free AS MATERIALIZED (
          SELECT i.id FROM issue i JOIN current USING (id, claim_id)
           WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'IN_PROGRESS'
-          ORDER BY i.id FOR NO KEY UPDATE OF i SKIP LOCKED
+          ORDER BY i.id FOR UPDATE OF i SKIP LOCKED
      ), done AS (
          UPDATE issue i SET processing_status = 'DONE'
            FROM current
