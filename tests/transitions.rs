@@ -283,6 +283,86 @@ async fn a_raw_sql_claim_cannot_go_without_a_token_or_reuse_an_old_one() {
     assert_eq!(token().await, Some(drawn));
 }
 
+/// Plain SQL cannot put a claim beyond the lease reaper's reach (a lease
+/// set NULL, 'infinity' or years ahead), nor clear a token on the way out
+/// so that a later claim takes an earlier token again.
+#[tokio::test]
+async fn plain_sql_cannot_hide_a_claim_from_the_reaper_or_rewind_its_token() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let sql = db.raw().await;
+    // Seconds from now to the lease, and the token.
+    let lease = || async {
+        let row = sql
+            .query_one(
+                "SELECT extract(epoch FROM lease_until - now())::float8, claim_id
+                   FROM issue WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, Option<f64>>(0), row.get::<_, Option<i64>>(1))
+    };
+    // A claim bringing an unreadable lease gets the default one (60 s).
+    sql.execute(
+        "UPDATE issue SET processing_status = 'IN_PROGRESS', lease_until = 'infinity' WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    let (claimed_lease, token) = lease().await;
+    let claimed_lease = claimed_lease.expect("a claim has a lease");
+    assert!((50.0..=70.0).contains(&claimed_lease), "{claimed_lease}");
+    let token = token.expect("a claim has a token");
+    for (wanted, what) in [
+        ("NULL", "cleared"),
+        ("'infinity'", "infinite"),
+        ("'-infinity'", "minus infinite"),
+    ] {
+        sql.execute(
+            &format!("UPDATE issue SET lease_until = {wanted} WHERE id = $1"),
+            &[&id],
+        )
+        .await
+        .unwrap();
+        let kept = lease().await.0.expect("still leased");
+        assert!((claimed_lease - kept).abs() < 5.0, "a {what} lease: {kept}");
+    }
+    sql.execute(
+        "UPDATE issue SET lease_until = now() + interval '10 years' WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    let bounded = lease().await.0.expect("still leased");
+    assert!(bounded <= 86_400.0 + 5.0, "a lease years ahead: {bounded}");
+    // The service reads the issue.
+    let client = db.pool.get().await.unwrap();
+    let read = newsnack::db::issue::get_issue(&client, id).await.unwrap();
+    assert!(read.is_some());
+
+    // A token cleared on the way out is kept; the next claim, even one
+    // naming the cleared token, gets a newer one.
+    sql.execute(
+        "UPDATE issue SET processing_status = 'FAILED', claim_id = NULL WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    assert_eq!(lease().await.1, Some(token), "the token is kept");
+    sql.execute(
+        "UPDATE issue SET processing_status = 'IN_PROGRESS', claim_id = $2 WHERE id = $1",
+        &[&id, &token],
+    )
+    .await
+    .unwrap();
+    let again = lease().await.1.expect("a claim has a token");
+    assert!(
+        again > token,
+        "a fresh token, not the earlier {token}: {again}"
+    );
+}
+
 /// An attempt is given back on entry into `FAILED` only by the transaction
 /// that names itself in `newsnack.attempt_unspent` (a claim released before
 /// its generation began); a session- or database-wide setting is ignored,

@@ -65,6 +65,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "unspent attempts per transaction",
         sql: include_str!("../../sql/0010_unspent_attempts_per_transaction.sql"),
     },
+    Migration {
+        version: 11,
+        name: "bounded leases and pinned tokens",
+        sql: include_str!("../../sql/0011_bounded_leases_and_pinned_tokens.sql"),
+    },
 ];
 
 /// What a migration run did.
