@@ -9,6 +9,13 @@
 //! and the `DONE` statuses a claim statement read from its snapshot — never
 //! intentions, so a rolled-back completion is never recorded.
 //!
+//! One thing ends that knowledge: the issue being removed, since its id
+//! may come back as a new issue (`TRUNCATE .. RESTART IDENTITY`, or an
+//! insert under an explicit id). Removals are announced (migration 12);
+//! the set then starts over and ignores the transitions read before the
+//! notice. (A claim statement whose snapshot predates a removal may still
+//! report a removed id `DONE` a moment after it.)
+//!
 //! The set is a compressed bitmap (ids are mostly dense runs), bounded by
 //! [`MAX_IDS`]: past it, it starts over. Forgetting costs a database round
 //! trip, never a wrong answer. A subscriber that falls behind the hub just
@@ -18,6 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use roaring::RoaringTreemap;
 use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::listener::TransitionHub;
@@ -27,15 +35,54 @@ use crate::status::Status;
 pub const MAX_IDS: u64 = 4_000_000;
 
 /// Known-`DONE` issue ids. Cheap to clone.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct DoneIssues {
-    ids: Arc<Mutex<RoaringTreemap>>,
+    known: Arc<Mutex<Known>>,
+}
+
+struct Known {
+    ids: RoaringTreemap,
+    /// Removal notices; one not yet applied empties `ids` before any use,
+    /// so a request that comes after the notice never meets a removed id.
+    removed: watch::Receiver<i64>,
+    /// Transitions up to this `seq` were read before the last removal.
+    stale_up_to: i64,
+}
+
+impl Known {
+    fn current(&mut self) -> &mut Known {
+        if self.removed.has_changed().unwrap_or(false) {
+            self.stale_up_to = *self.removed.borrow_and_update();
+            self.ids.clear();
+        }
+        self
+    }
+
+    fn insert(&mut self, id: i64) {
+        let Ok(id) = u64::try_from(id) else { return };
+        if self.ids.len() >= MAX_IDS {
+            self.ids.clear();
+        }
+        self.ids.insert(id);
+    }
 }
 
 impl DoneIssues {
-    /// Follows the hub's live transitions until `stop`.
+    /// Knows nothing yet; forgets everything on each notice of `removed`.
+    fn new(mut removed: watch::Receiver<i64>) -> DoneIssues {
+        removed.borrow_and_update();
+        DoneIssues {
+            known: Arc::new(Mutex::new(Known {
+                ids: RoaringTreemap::new(),
+                removed,
+                stale_up_to: i64::MIN,
+            })),
+        }
+    }
+
+    /// Follows the hub's live transitions and removal notices until `stop`.
     pub fn follow(hub: &TransitionHub, stop: CancellationToken) -> DoneIssues {
-        let done = DoneIssues::default();
+        let done = DoneIssues::new(hub.issues_removed());
         let mut transitions = hub.subscribe();
         let set = done.clone();
         tokio::spawn(async move {
@@ -45,7 +92,13 @@ impl DoneIssues {
                     next = transitions.recv() => next,
                 };
                 match next {
-                    Ok(t) if t.to == Status::Done => set.insert(t.issue_id),
+                    Ok(t) if t.to == Status::Done => {
+                        let mut known = set.known.lock().expect("never poisoned");
+                        let known = known.current();
+                        if t.seq > known.stale_up_to {
+                            known.insert(t.issue_id);
+                        }
+                    }
                     Ok(_) | Err(RecvError::Lagged(_)) => {}
                     Err(RecvError::Closed) => return,
                 }
@@ -56,18 +109,18 @@ impl DoneIssues {
 
     /// Records an issue seen `DONE` in committed data.
     pub fn insert(&self, id: i64) {
-        let Ok(id) = u64::try_from(id) else { return };
-        let mut ids = self.ids.lock().expect("never poisoned");
-        if ids.len() >= MAX_IDS {
-            ids.clear();
-        }
-        ids.insert(id);
+        self.known
+            .lock()
+            .expect("never poisoned")
+            .current()
+            .insert(id);
     }
 
     /// Splits `ids` into those not known to be `DONE` (in order) and those
     /// known to be.
     pub fn split(&self, ids: &[i64]) -> (Vec<i64>, Vec<i64>) {
-        let known = self.ids.lock().expect("never poisoned");
+        let mut known = self.known.lock().expect("never poisoned");
+        let known = &known.current().ids;
         ids.iter().partition(|&&id| {
             !u64::try_from(id)
                 .map(|id| known.contains(id))
@@ -77,7 +130,12 @@ impl DoneIssues {
 
     /// How many ids are remembered.
     pub fn len(&self) -> u64 {
-        self.ids.lock().expect("never poisoned").len()
+        self.known
+            .lock()
+            .expect("never poisoned")
+            .current()
+            .ids
+            .len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -89,9 +147,15 @@ impl DoneIssues {
 mod tests {
     use super::*;
 
+    /// A set with its removal notices, and their sender.
+    fn fresh() -> (DoneIssues, watch::Sender<i64>) {
+        let (removed, notices) = watch::channel(0);
+        (DoneIssues::new(notices), removed)
+    }
+
     #[test]
     fn splits_known_done_ids_from_the_rest_keeping_order() {
-        let done = DoneIssues::default();
+        let (done, _removed) = fresh();
         for id in [3, 5, 8] {
             done.insert(id);
         }
@@ -101,8 +165,8 @@ mod tests {
 
     #[test]
     fn starts_over_past_its_bound() {
-        let done = DoneIssues::default();
-        done.ids.lock().unwrap().insert_range(1..=MAX_IDS);
+        let (done, _removed) = fresh();
+        done.known.lock().unwrap().ids.insert_range(1..=MAX_IDS);
         assert_eq!(done.len(), MAX_IDS);
         done.insert(MAX_IDS as i64 + 7);
         assert_eq!(done.len(), 1);
@@ -110,5 +174,15 @@ mod tests {
             done.split(&[1, MAX_IDS as i64 + 7]),
             (vec![1], vec![MAX_IDS as i64 + 7])
         );
+    }
+
+    #[test]
+    fn forgets_everything_once_issues_were_removed() {
+        let (done, removed) = fresh();
+        done.insert(4);
+        removed.send_modify(|seq| *seq = 10);
+        assert_eq!(done.split(&[4]), (vec![4], vec![]));
+        done.insert(4);
+        assert_eq!(done.split(&[4]), (vec![], vec![4]));
     }
 }

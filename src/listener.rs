@@ -32,6 +32,8 @@ use crate::transition::Transition;
 pub const TRANSITION_CHANNEL: &str = "issue_transition";
 /// The channel setting changes are announced on.
 pub const SETTINGS_CHANNEL: &str = "setting_changed";
+/// Notified when issues are deleted or truncated (migration 12).
+pub const REMOVAL_CHANNEL: &str = "issue_removed";
 
 /// How the listener behaves; the defaults suit production.
 #[derive(Debug, Clone)]
@@ -84,6 +86,7 @@ struct HubInner {
     published: Arc<PublishTimes>,
     status: watch::Receiver<ListenerStatus>,
     settings_changed: watch::Receiver<u64>,
+    issues_removed: watch::Receiver<i64>,
     pool: DbPool,
     /// Stops the listener when the last hub is dropped.
     _stop_listener: tokio_util::sync::DropGuard,
@@ -120,6 +123,14 @@ impl TransitionHub {
     /// reconnect (when changes may have been missed).
     pub fn settings_changed(&self) -> watch::Receiver<u64> {
         self.inner.settings_changed.clone()
+    }
+
+    /// Notified whenever issues were deleted or truncated (and after every
+    /// reconnect, when a removal may have been missed), holding the last
+    /// `seq` published before the notice: transitions up to it may be of
+    /// issues that are gone, and their ids may come back as new issues.
+    pub fn issues_removed(&self) -> watch::Receiver<i64> {
+        self.inner.issues_removed.clone()
     }
 
     /// The number of live subscribers.
@@ -176,6 +187,7 @@ pub struct Listener {
     published: Arc<PublishTimes>,
     status: watch::Sender<ListenerStatus>,
     settings_changed: watch::Sender<u64>,
+    issues_removed: watch::Sender<i64>,
     last_seq: i64,
     /// Read and in order, not yet sent to subscribers (see
     /// [`Listener::flush`]).
@@ -210,6 +222,7 @@ impl Listener {
         let (events, _) = broadcast::channel(options.capacity);
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let (settings_tx, settings_rx) = watch::channel(0);
+        let (removed_tx, removed_rx) = watch::channel(0);
         let published = Arc::new(PublishTimes::default());
         let mut listener = Listener {
             config,
@@ -218,6 +231,7 @@ impl Listener {
             published: published.clone(),
             status: status_tx,
             settings_changed: settings_tx,
+            issues_removed: removed_tx,
             last_seq: 0,
             unsent: Vec::new(),
         };
@@ -273,6 +287,7 @@ impl Listener {
                 published,
                 status: status_rx,
                 settings_changed: settings_rx,
+                issues_removed: removed_rx,
                 pool,
                 _stop_listener: stop_listener,
             }),
@@ -340,8 +355,10 @@ impl Listener {
                 return SessionEnd::Lost(format!("catch-up failed: {e}"));
             }
             self.mark_connected(&session);
-            // Setting changes may have been missed while disconnected.
+            // Setting changes and removals may have been missed while
+            // disconnected.
             self.settings_changed.send_modify(|v| *v += 1);
+            self.announce_removal();
         }
         *backoff = self.options.backoff_min;
 
@@ -403,6 +420,10 @@ impl Listener {
                 self.settings_changed.send_modify(|v| *v += 1);
                 Ok(())
             }
+            REMOVAL_CHANNEL => {
+                self.announce_removal();
+                Ok(())
+            }
             other => {
                 tracing::debug!(channel = other, "ignoring notification");
                 Ok(())
@@ -458,6 +479,14 @@ impl Listener {
         });
     }
 
+    /// Tells watchers that issues were removed, as of the last `seq` read:
+    /// notifications arrive in commit order, so every transition committed
+    /// before the removal has been read by now.
+    fn announce_removal(&mut self) {
+        let seq = self.last_seq;
+        self.issues_removed.send_modify(|v| *v = seq);
+    }
+
     async fn connect(&self) -> Result<Session, DbError> {
         let (client, mut connection) = self.config.connect(NoTls).await?;
         let (tx, notifications) = mpsc::unbounded_channel();
@@ -480,7 +509,7 @@ impl Listener {
         });
         client
             .batch_execute(&format!(
-                "LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}"
+                "LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}; LISTEN {REMOVAL_CHANNEL}"
             ))
             .await?;
         let backend_pid: i32 = client

@@ -1433,6 +1433,81 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     service.stop().await.unwrap();
 }
 
+/// Ids the service knows `DONE` are forgotten when issues are removed: a
+/// `TRUNCATE .. RESTART IDENTITY`, or a delete and an insert under the same
+/// ids, brings the ids back as new issues, which are then claimed, not
+/// answered as finished from memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
+    let db = TestDb::new().await;
+    let service = db.serve("removals", offline()).await;
+    let url = format!("http://{}/ai-articles", service.addr);
+    let http = reqwest::Client::new();
+    let post = |ids: Vec<i64>| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            send(
+                &http,
+                Method::POST,
+                &url,
+                Some("application/json"),
+                body(json!({ "issue_ids": ids })),
+            )
+            .await
+        }
+    };
+    let sql = db.raw().await;
+    let removals: [(&str, &str); 2] = [
+        (
+            "TRUNCATE issue RESTART IDENTITY CASCADE",
+            "INSERT INTO issue (title) SELECT 'again ' || g FROM generate_series(1, 3) g",
+        ),
+        (
+            "DELETE FROM ai_article; DELETE FROM issue",
+            "INSERT INTO issue (id, title) SELECT g, 'once more ' || g FROM generate_series(1, 3) g",
+        ),
+    ];
+    let mut ids = db.add_issues(3).await;
+    let (status, answer) = post(ids.clone()).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    for (remove, add_again) in removals {
+        until_sql(
+            &db,
+            &service.hub,
+            30,
+            "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
+        )
+        .await;
+        // Known DONE by now, from the listener.
+        within(30, "the service to know the issues DONE", async {
+            let mut published = service.hub.status();
+            let all_done = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
+            published
+                .wait_for(|s| s.last_seq >= all_done)
+                .await
+                .unwrap();
+        })
+        .await;
+        let (status, _) = post(ids.clone()).await;
+        assert_eq!(status, StatusCode::CONFLICT);
+
+        let mut removed = service.hub.issues_removed();
+        removed.borrow_and_update();
+        sql.batch_execute(remove).await.unwrap();
+        within(10, "the removal notice", removed.changed())
+            .await
+            .unwrap();
+        sql.batch_execute(add_again).await.unwrap();
+        let again = db.ids("SELECT id FROM issue ORDER BY id").await;
+        assert_eq!(again, ids, "the same ids, for new issues");
+        let (status, answer) = post(ids.clone()).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+        assert_eq!(answer["claimed"], json!(ids));
+        ids = again;
+    }
+    service.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issues_claimed_for_a_client_that_hung_up_are_still_generated() {
     let db = TestDb::new().await;

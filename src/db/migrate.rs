@@ -70,6 +70,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "bounded leases and pinned tokens",
         sql: include_str!("../../sql/0011_bounded_leases_and_pinned_tokens.sql"),
     },
+    Migration {
+        version: 12,
+        name: "issue removal notice",
+        sql: include_str!("../../sql/0012_issue_removal_notice.sql"),
+    },
 ];
 
 /// What a migration run did.
