@@ -683,6 +683,22 @@ async fn issue_state(
     )
 }
 
+/// The lease of the claims of [`one_claimed_issue`].
+const CLAIM_LEASE: Duration = Duration::from_secs(60);
+
+/// A new issue claimed by `worker`: its id, the claim's token, and a
+/// pooled connection to go on with.
+async fn one_claimed_issue(db: &TestDb, worker: &str) -> (i64, i64, deadpool_postgres::Client) {
+    let id = db.add_issues(1).await[0];
+    let client = db.pool.get().await.unwrap();
+    let claim = claim_issues(&client, &[id], worker, CLAIM_LEASE, ClaimScope::Claimable)
+        .await
+        .unwrap()
+        .claimed[0]
+        .claim_id;
+    (id, claim, client)
+}
+
 /// A heartbeat, completion or failure meeting the row of its issue held by
 /// another transaction (a system editing it with plain SQL, not committing)
 /// does not wait for it: it says so at once, and is tried again once the
@@ -693,13 +709,8 @@ async fn issue_state(
 #[tokio::test]
 async fn fenced_writes_do_not_wait_for_a_row_another_transaction_holds() {
     let db = TestDb::new().await;
-    let id = db.add_issues(1).await[0];
-    let client = db.pool.get().await.unwrap();
-    let lease = Duration::from_secs(60);
-    let claimed = claim_issues(&client, &[id], "beating", lease, ClaimScope::Claimable)
-        .await
-        .unwrap();
-    let claim = claimed.claimed[0].claim_id;
+    let (id, claim, client) = one_claimed_issue(&db, "beating").await;
+    let lease = CLAIM_LEASE;
     let mut holder = db.raw().await;
     let held = holder.transaction().await.unwrap();
     held.execute("UPDATE issue SET score = 7 WHERE id = $1", &[&id])
@@ -774,14 +785,7 @@ async fn fenced_writes_do_not_wait_for_a_row_another_transaction_holds() {
 #[tokio::test]
 async fn a_completion_does_not_wait_for_an_article_another_transaction_is_inserting() {
     let db = TestDb::new().await;
-    let id = db.add_issues(1).await[0];
-    let client = db.pool.get().await.unwrap();
-    let lease = Duration::from_secs(60);
-    let claim = claim_issues(&client, &[id], "mine", lease, ClaimScope::Claimable)
-        .await
-        .unwrap()
-        .claimed[0]
-        .claim_id;
+    let (id, claim, client) = one_claimed_issue(&db, "mine").await;
     let mut other = db.raw().await;
     let inserting = other.transaction().await.unwrap();
     inserting
@@ -820,14 +824,8 @@ async fn a_completion_does_not_wait_for_an_article_another_transaction_is_insert
 #[tokio::test]
 async fn writes_of_a_claim_no_longer_current_lock_nothing() {
     let db = TestDb::new().await;
-    let id = db.add_issues(1).await[0];
-    let lease = Duration::from_secs(60);
-    let client = db.pool.get().await.unwrap();
-    let stale = claim_issues(&client, &[id], "late", lease, ClaimScope::Claimable)
-        .await
-        .unwrap()
-        .claimed[0]
-        .claim_id;
+    let (id, stale, client) = one_claimed_issue(&db, "late").await;
+    let lease = CLAIM_LEASE;
     let sql = db.raw().await;
     for status in ["FAILED", "PENDING"] {
         sql.execute(

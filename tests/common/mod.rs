@@ -303,11 +303,11 @@ impl TestDb {
         rows.iter().map(|r| r.get(0)).collect()
     }
 
-    /// How the issues a killed `instance` held came back: how many through
-    /// the lease reaper ("lease expired"), and how many its own completion
-    /// finished (a statement already on the server when the process died
-    /// still commits).
-    pub async fn stranded_fate(&self, stranded: &[i64], instance: &str) -> (i64, i64) {
+    /// Asserts that every issue a killed `instance` held came back: through
+    /// the lease reaper ("lease expired"), or finished by its own completion
+    /// (a statement already on the server when the process died still
+    /// commits); and that the reaper brought back some.
+    pub async fn assert_stranded_came_back(&self, stranded: &[i64], instance: &str) {
         let client = self.pool.get().await.unwrap();
         let row = client
             .query_one(
@@ -322,7 +322,14 @@ impl TestDb {
             )
             .await
             .unwrap();
-        (row.get(0), row.get(1))
+        let (reaped, finished_late): (i64, i64) = (row.get(0), row.get(1));
+        assert_eq!(
+            reaped + finished_late,
+            stranded.len() as i64,
+            "{instance}'s issues came back through the reaper ({reaped} reaped, \
+             {finished_late} finished by a completion already sent, of {stranded:?})"
+        );
+        assert!(reaped > 0, "the reaper brought back {instance}'s issues");
     }
 
     /// An issue's status, for assertions.
