@@ -75,7 +75,9 @@ async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
         );
         assert_eq!(
             db.scalar_i64("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'issue'::regclass AND NOT tgisinternal").await,
-            4
+            // Before insert and update, the log's two, and the removal
+            // notices' two.
+            6
         );
         assert_eq!(db.scalar_i64("SELECT count(*) FROM setting").await, 10);
     }
