@@ -5,8 +5,8 @@
 -- `lease_until` to NULL (the reaper, which looks for `lease_until < now()`,
 -- never saw it again, and the dashboard hid it), and a claim could bring
 -- any lease of its own: 'infinity', which the service cannot read, or a
--- year far ahead. Now a lease is bounded to a day either side of now (the
--- longest `lease_s` is a day); a NULL or non-finite one keeps the lease the
+-- year far ahead. Now a lease is bounded to 24 hours either side of now
+-- (the longest `lease_s`); a NULL or non-finite one keeps the lease the
 -- issue had, or for a claim gets the default.
 --
 -- And `claim_id` could be changed on any other transition (`SET
@@ -24,9 +24,9 @@ BEGIN
         ELSIF NEW.lease_until IS NULL OR NOT isfinite(NEW.lease_until) THEN
             NEW.lease_until := OLD.lease_until;
         ELSIF NEW.lease_until IS DISTINCT FROM OLD.lease_until THEN
-            -- Within a day of now (the longest `lease_s`).
-            NEW.lease_until := least(greatest(NEW.lease_until, now() - interval '1 day'),
-                                     now() + interval '1 day');
+            -- Within 24 hours of now (the longest `lease_s`).
+            NEW.lease_until := least(greatest(NEW.lease_until, now() - interval '24 hours'),
+                                     now() + interval '24 hours');
         END IF;
         NEW.claim_id := OLD.claim_id;
         NEW.attempts := OLD.attempts;
@@ -53,9 +53,9 @@ BEGIN
                OR NEW.lease_until IS NOT DISTINCT FROM OLD.lease_until THEN
                 NEW.lease_until := now() + make_interval(secs => newsnack_lease_seconds());
             ELSE
-                -- Within a day of now (the longest `lease_s`).
-                NEW.lease_until := least(greatest(NEW.lease_until, now() - interval '1 day'),
-                                         now() + interval '1 day');
+                -- Within 24 hours of now (the longest `lease_s`).
+                NEW.lease_until := least(greatest(NEW.lease_until, now() - interval '24 hours'),
+                                         now() + interval '24 hours');
             END IF;
         WHEN 'PENDING' THEN
             -- Operator reset: a fresh start with a full retry budget.
@@ -85,3 +85,9 @@ BEGIN
     RETURN NEW;
 END
 $$;
+
+-- Claims already out of the reaper's reach get the default lease from now.
+UPDATE issue SET lease_until = now() + make_interval(secs => newsnack_lease_seconds())
+ WHERE processing_status = 'IN_PROGRESS'
+   AND (lease_until IS NULL OR NOT isfinite(lease_until)
+        OR lease_until > now() + interval '24 hours');

@@ -6,9 +6,9 @@
 -- comes back: a `TRUNCATE issue RESTART IDENTITY` while the service runs,
 -- or rows deleted and inserted again under explicit ids. Then requests
 -- for the new issues were answered as if they were finished, until the
--- service restarted. Now every statement that deletes or truncates issues
--- sends NOTIFY `issue_removed` at commit (nothing if it rolls back), and
--- the services forget what they knew.
+-- service restarted. Now every statement that deletes issues (or
+-- truncates the table) sends NOTIFY `issue_removed` at commit (nothing if
+-- it rolls back), and the services forget what they knew.
 
 CREATE FUNCTION issue_announce_removal() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -17,7 +17,18 @@ BEGIN
 END
 $$;
 
+-- A DELETE that removed no row announces nothing.
+CREATE FUNCTION issue_announce_deletion() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM removed) THEN
+        PERFORM pg_notify('issue_removed', TG_OP);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
 CREATE TRIGGER issue_deleted AFTER DELETE ON issue
-    FOR EACH STATEMENT EXECUTE FUNCTION issue_announce_removal();
+    REFERENCING OLD TABLE AS removed
+    FOR EACH STATEMENT EXECUTE FUNCTION issue_announce_deletion();
 CREATE TRIGGER issue_truncated AFTER TRUNCATE ON issue
     FOR EACH STATEMENT EXECUTE FUNCTION issue_announce_removal();

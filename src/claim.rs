@@ -34,6 +34,7 @@ struct ClaimRequest {
 #[derive(Clone)]
 pub struct Claimer {
     batches: GroupCommit<ClaimRequest>,
+    pool: DbPool,
 }
 
 impl Claimer {
@@ -41,15 +42,17 @@ impl Claimer {
     /// is dropped.
     pub fn start(pool: DbPool, worker: String, lanes: usize) -> Claimer {
         let worker: std::sync::Arc<str> = worker.into();
+        let lane_pool = pool.clone();
         let batches = GroupCommit::start(lanes, MAX_BATCH, move |batch| {
-            let (pool, worker) = (pool.clone(), worker.clone());
+            let (pool, worker) = (lane_pool.clone(), worker.clone());
             async move { run_batch(&pool, &worker, batch).await }
         });
-        Claimer { batches }
+        Claimer { batches, pool }
     }
 
     /// Claims the claimable ones among `ids` (see
-    /// [`crate::db::issue::claim_issues`]).
+    /// [`crate::db::issue::claim_issues`]). Dropping the future before it
+    /// returns gives back whatever it claimed (see [`UNWANTED_CLAIM`]).
     pub async fn claim(
         &self,
         ids: Vec<i64>,
@@ -58,6 +61,10 @@ impl Claimer {
     ) -> Result<ClaimOutcome, DbError> {
         let stopped = || DbError::Invalid("the claimer has stopped".into());
         let (answer, outcome) = oneshot::channel();
+        let mut outcome = Unread {
+            answer: outcome,
+            pool: self.pool.clone(),
+        };
         self.batches
             .submit(ClaimRequest {
                 ids,
@@ -67,7 +74,7 @@ impl Claimer {
             })
             .await
             .map_err(|_| stopped())?;
-        let outcome = outcome.await.map_err(|_| stopped())??;
+        let outcome = (&mut outcome.answer).await.map_err(|_| stopped())??;
         crate::metrics::claims_answered(outcome.claimed.len(), outcome.skipped.len());
         Ok(outcome)
     }
@@ -107,11 +114,44 @@ async fn run_kind(pool: &DbPool, worker: &str, mut requests: Vec<ClaimRequest>) 
     let mut unwanted = Vec::new();
     for (request, result) in requests.into_iter().zip(results) {
         if let Err(Ok(outcome)) = request.answer.send(result) {
-            unwanted.extend(outcome.claimed.iter().map(|c| (c.id, c.claim_id)));
+            unwanted.extend(outcome.claimed);
         }
     }
-    // Nothing was tried: the attempt is given back.
-    crate::worker::release_claims(pool, unwanted, UNWANTED_CLAIM, false).await;
+    release_unwanted(pool, unwanted);
+}
+
+/// The requester's end of a claim's answer. Dropped unread (the requester
+/// went away after the answer was sent), it releases what was claimed;
+/// closed first, so an answer not sent yet is refused and released by the
+/// lane instead.
+struct Unread {
+    answer: oneshot::Receiver<Result<ClaimOutcome, DbError>>,
+    pool: DbPool,
+}
+
+impl Drop for Unread {
+    fn drop(&mut self) {
+        self.answer.close();
+        if let Ok(Ok(outcome)) = self.answer.try_recv() {
+            release_unwanted(&self.pool, outcome.claimed);
+        }
+    }
+}
+
+/// Releases, from a task of its own (so no lane waits for it), claims that
+/// nobody will generate, with the attempt given back: nothing was tried.
+fn release_unwanted(pool: &DbPool, claimed: Vec<ClaimedIssue>) {
+    if claimed.is_empty() {
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let claims = claimed.iter().map(|c| (c.id, c.claim_id)).collect();
+    let pool = pool.clone();
+    runtime.spawn(async move {
+        crate::worker::release_claims(&pool, claims, UNWANTED_CLAIM, false).await;
+    });
 }
 
 /// One statement for all of `requests` (same lease and scope). Each id goes

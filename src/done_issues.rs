@@ -13,8 +13,9 @@
 //! may come back as a new issue (`TRUNCATE .. RESTART IDENTITY`, or an
 //! insert under an explicit id). Removals are announced (migration 12);
 //! the set then starts over and ignores the transitions read before the
-//! notice. (A claim statement whose snapshot predates a removal may still
-//! report a removed id `DONE` a moment after it.)
+//! notice. What a claim statement reports `DONE` is recorded only if no
+//! removal was noticed since the request looked at the set
+//! ([`DoneIssues::epoch`]): its snapshot may predate the removal.
 //!
 //! The set is a compressed bitmap (ids are mostly dense runs), bounded by
 //! [`MAX_IDS`]: past it, it starts over. Forgetting costs a database round
@@ -47,13 +48,22 @@ struct Known {
     removed: watch::Receiver<i64>,
     /// Transitions up to this `seq` were read before the last removal.
     stale_up_to: i64,
+    /// Removals applied so far.
+    epoch: u64,
 }
 
 impl Known {
     fn current(&mut self) -> &mut Known {
-        if self.removed.has_changed().unwrap_or(false) {
+        // Once the sender is gone, `has_changed` errs even with a notice
+        // unseen: then the value itself tells.
+        let unseen = self
+            .removed
+            .has_changed()
+            .unwrap_or_else(|_| *self.removed.borrow() != self.stale_up_to);
+        if unseen {
             self.stale_up_to = *self.removed.borrow_and_update();
             self.ids.clear();
+            self.epoch += 1;
         }
         self
     }
@@ -70,12 +80,13 @@ impl Known {
 impl DoneIssues {
     /// Knows nothing yet; forgets everything on each notice of `removed`.
     fn new(mut removed: watch::Receiver<i64>) -> DoneIssues {
-        removed.borrow_and_update();
+        let stale_up_to = *removed.borrow_and_update();
         DoneIssues {
             known: Arc::new(Mutex::new(Known {
                 ids: RoaringTreemap::new(),
                 removed,
-                stale_up_to: i64::MIN,
+                stale_up_to,
+                epoch: 0,
             })),
         }
     }
@@ -107,13 +118,21 @@ impl DoneIssues {
         done
     }
 
-    /// Records an issue seen `DONE` in committed data.
-    pub fn insert(&self, id: i64) {
-        self.known
-            .lock()
-            .expect("never poisoned")
-            .current()
-            .insert(id);
+    /// Removals noticed so far; take it before reading the database, and
+    /// hand it to [`DoneIssues::insert`] with what was read.
+    pub fn epoch(&self) -> u64 {
+        self.known.lock().expect("never poisoned").current().epoch
+    }
+
+    /// Records an issue seen `DONE` in committed data read after `epoch`
+    /// was taken, unless issues were removed since (the data may predate
+    /// the removal).
+    pub fn insert(&self, id: i64, epoch: u64) {
+        let mut known = self.known.lock().expect("never poisoned");
+        let known = known.current();
+        if known.epoch == epoch {
+            known.insert(id);
+        }
     }
 
     /// Splits `ids` into those not known to be `DONE` (in order) and those
@@ -157,7 +176,7 @@ mod tests {
     fn splits_known_done_ids_from_the_rest_keeping_order() {
         let (done, _removed) = fresh();
         for id in [3, 5, 8] {
-            done.insert(id);
+            done.insert(id, done.epoch());
         }
         assert_eq!(done.split(&[9, 5, 1, 3, -4]), (vec![9, 1, -4], vec![5, 3]));
         assert_eq!(done.len(), 3);
@@ -168,7 +187,7 @@ mod tests {
         let (done, _removed) = fresh();
         done.known.lock().unwrap().ids.insert_range(1..=MAX_IDS);
         assert_eq!(done.len(), MAX_IDS);
-        done.insert(MAX_IDS as i64 + 7);
+        done.insert(MAX_IDS as i64 + 7, done.epoch());
         assert_eq!(done.len(), 1);
         assert_eq!(
             done.split(&[1, MAX_IDS as i64 + 7]),
@@ -179,10 +198,28 @@ mod tests {
     #[test]
     fn forgets_everything_once_issues_were_removed() {
         let (done, removed) = fresh();
-        done.insert(4);
+        done.insert(4, done.epoch());
         removed.send_modify(|seq| *seq = 10);
         assert_eq!(done.split(&[4]), (vec![4], vec![]));
-        done.insert(4);
+        done.insert(4, done.epoch());
         assert_eq!(done.split(&[4]), (vec![], vec![4]));
+    }
+
+    #[test]
+    fn what_was_read_before_a_removal_is_not_recorded_after_it() {
+        let (done, removed) = fresh();
+        let epoch = done.epoch();
+        removed.send_modify(|seq| *seq = 10);
+        done.insert(4, epoch);
+        assert_eq!(done.split(&[4]), (vec![4], vec![]));
+    }
+
+    #[test]
+    fn a_last_notice_counts_after_its_sender_is_gone() {
+        let (done, removed) = fresh();
+        done.insert(4, done.epoch());
+        removed.send_modify(|seq| *seq = 10);
+        drop(removed);
+        assert_eq!(done.split(&[4]), (vec![4], vec![]));
     }
 }

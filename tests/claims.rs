@@ -485,7 +485,30 @@ async fn a_claim_nobody_waits_for_any_more_is_released() {
     .await;
     drop(claim);
     drop(busy);
-    common::until_status(&db, &hub, 30, id, "FAILED").await;
+    released_unwanted(&db, &hub, id).await;
+}
+
+/// The same when the requester goes away after its answer arrived but
+/// before it read it: the claim committed (the test sees the issue
+/// `IN_PROGRESS` through the listener, well after the answer was sent), and
+/// dropping the unread answer releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_answered_but_never_read_is_released() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let (hub, _listening) = db.listener().await;
+    let claimer = newsnack::claim::Claimer::start(db.pool.clone(), "forgetful".into(), 1);
+    let mut claim = Box::pin(claimer.claim(vec![id], LEASE, ClaimScope::Claimable));
+    assert!(futures::poll!(&mut claim).is_pending());
+    common::until_status(&db, &hub, 30, id, "IN_PROGRESS").await;
+    drop(claim);
+    released_unwanted(&db, &hub, id).await;
+}
+
+/// Waits for `id` to be released as a claim nobody wanted: `FAILED` with
+/// its attempt given back.
+async fn released_unwanted(db: &TestDb, hub: &newsnack::listener::TransitionHub, id: i64) {
+    common::until_status(db, hub, 30, id, "FAILED").await;
     let row = db
         .raw()
         .await

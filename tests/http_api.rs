@@ -1491,6 +1491,19 @@ async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
 
         let mut removed = service.hub.issues_removed();
         removed.borrow_and_update();
+        // A delete that removes nothing is not announced: a transition
+        // committed after it arrives, and no notice came before it.
+        sql.batch_execute("DELETE FROM issue WHERE false")
+            .await
+            .unwrap();
+        db.add_issues(1).await;
+        let after = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
+        within(10, "the transition after the empty delete", async {
+            let mut published = service.hub.status();
+            published.wait_for(|s| s.last_seq >= after).await.unwrap();
+        })
+        .await;
+        assert!(!removed.has_changed().unwrap(), "an empty delete announced");
         sql.batch_execute(remove).await.unwrap();
         within(10, "the removal notice", removed.changed())
             .await

@@ -363,6 +363,80 @@ async fn plain_sql_cannot_hide_a_claim_from_the_reaper_or_rewind_its_token() {
     );
 }
 
+/// Migration 11 also gives claims already beyond the reaper's reach (a
+/// lease NULL, infinite or years ahead, written before it) the default
+/// lease, and leaves a sound lease as it is.
+#[tokio::test]
+async fn migration_11_brings_claims_already_out_of_reach_back() {
+    use newsnack::db::migrate::{migrate, MIGRATIONS};
+    let db = TestDb::empty().await;
+    let mut sql = db.raw().await;
+    // The schema as of migration 10.
+    sql.batch_execute(
+        "CREATE TABLE newsnack_migration (
+             version integer PRIMARY KEY, name text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .await
+    .unwrap();
+    for m in MIGRATIONS.iter().filter(|m| m.version <= 10) {
+        sql.batch_execute(m.sql).await.unwrap();
+        sql.execute(
+            "INSERT INTO newsnack_migration (version, name) VALUES ($1, $2)",
+            &[&m.version, &m.name],
+        )
+        .await
+        .unwrap();
+    }
+    let leases = [
+        "NULL",
+        "'infinity'",
+        "now() + interval '10 years'",
+        "now() + interval '30 seconds'",
+    ];
+    let mut ids = Vec::new();
+    for lease in leases {
+        let id: i64 = sql
+            .query_one(
+                "INSERT INTO issue (title) VALUES ('held') RETURNING id",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        sql.execute(
+            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+        sql.execute(
+            &format!("UPDATE issue SET lease_until = {lease} WHERE id = $1"),
+            &[&id],
+        )
+        .await
+        .unwrap();
+        ids.push(id);
+    }
+    migrate(&mut sql).await.unwrap();
+    let seconds_left: Vec<f64> = sql
+        .query(
+            "SELECT extract(epoch FROM lease_until - now())::float8 FROM issue
+              WHERE id = ANY($1) ORDER BY id",
+            &[&ids],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    // The default lease (60 s) for the first three; the sound one kept.
+    for (lease, left) in leases.iter().zip(&seconds_left[..3]) {
+        assert!((50.0..=70.0).contains(left), "{lease}: {left}");
+    }
+    assert!((0.0..=35.0).contains(&seconds_left[3]), "{seconds_left:?}");
+}
+
 /// An attempt is given back on entry into `FAILED` only by the transaction
 /// that names itself in `newsnack.attempt_unspent` (a claim released before
 /// its generation began); a session- or database-wide setting is ignored,

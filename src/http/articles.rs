@@ -52,6 +52,7 @@ pub async fn request_articles(
     ApiJson(request): ApiJson<ArticleRequest>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     input::check_ids("issue_ids", &request.issue_ids)?;
+    let known_since = state.done.epoch();
     let (open, done) = state.done.split(&request.issue_ids);
     if !done.is_empty() {
         crate::metrics::claims_skipped_known_done(done.len());
@@ -83,7 +84,7 @@ pub async fn request_articles(
         .map_err(|e| ApiError::Internal(format!("the claim task failed: {e}")))??;
         let (ids, outcome) = outcome;
         for &id in &outcome.done {
-            state.done.insert(id);
+            state.done.insert(id, known_since);
         }
         (ids, [outcome.skipped, done].concat())
     };
