@@ -14,8 +14,8 @@
 //! insert under an explicit id). Removals are announced (migration 12);
 //! the set then starts over and ignores the transitions read before the
 //! notice. What a claim statement reports `DONE` is recorded only if no
-//! removal was noticed since the request looked at the set
-//! ([`DoneIssues::epoch`]): its snapshot may predate the removal.
+//! removal was noticed since the request looked at the set (the epoch
+//! [`DoneIssues::split`] returns): its snapshot may predate the removal.
 //!
 //! The set is a compressed bitmap (ids are mostly dense runs), bounded by
 //! [`MAX_IDS`]: past it, it starts over. Forgetting costs a database round
@@ -118,15 +118,9 @@ impl DoneIssues {
         done
     }
 
-    /// Removals noticed so far; take it before reading the database, and
-    /// hand it to [`DoneIssues::insert`] with what was read.
-    pub fn epoch(&self) -> u64 {
-        self.known.lock().expect("never poisoned").current().epoch
-    }
-
-    /// Records an issue seen `DONE` in committed data read after `epoch`
-    /// was taken, unless issues were removed since (the data may predate
-    /// the removal).
+    /// Records an issue seen `DONE` in committed data read after the
+    /// [`DoneIssues::split`] that gave `epoch`, unless issues were removed
+    /// since (the data may predate the removal).
     pub fn insert(&self, id: i64, epoch: u64) {
         let mut known = self.known.lock().expect("never poisoned");
         let known = known.current();
@@ -136,15 +130,17 @@ impl DoneIssues {
     }
 
     /// Splits `ids` into those not known to be `DONE` (in order) and those
-    /// known to be.
-    pub fn split(&self, ids: &[i64]) -> (Vec<i64>, Vec<i64>) {
+    /// known to be; also returns the removals noticed so far, the epoch to
+    /// hand to [`DoneIssues::insert`] with what the database then reports.
+    pub fn split(&self, ids: &[i64]) -> (Vec<i64>, Vec<i64>, u64) {
         let mut known = self.known.lock().expect("never poisoned");
-        let known = &known.current().ids;
-        ids.iter().partition(|&&id| {
+        let known = known.current();
+        let (open, done) = ids.iter().partition(|&&id| {
             !u64::try_from(id)
-                .map(|id| known.contains(id))
+                .map(|id| known.ids.contains(id))
                 .unwrap_or(false)
-        })
+        });
+        (open, done, known.epoch)
     }
 
     /// How many ids are remembered.
@@ -166,6 +162,11 @@ impl DoneIssues {
 mod tests {
     use super::*;
 
+    /// The set's current epoch.
+    fn epoch(done: &DoneIssues) -> u64 {
+        done.split(&[]).2
+    }
+
     /// A set with its removal notices, and their sender.
     fn fresh() -> (DoneIssues, watch::Sender<i64>) {
         let (removed, notices) = watch::channel(0);
@@ -176,9 +177,12 @@ mod tests {
     fn splits_known_done_ids_from_the_rest_keeping_order() {
         let (done, _removed) = fresh();
         for id in [3, 5, 8] {
-            done.insert(id, done.epoch());
+            done.insert(id, epoch(&done));
         }
-        assert_eq!(done.split(&[9, 5, 1, 3, -4]), (vec![9, 1, -4], vec![5, 3]));
+        assert_eq!(
+            done.split(&[9, 5, 1, 3, -4]),
+            (vec![9, 1, -4], vec![5, 3], 0)
+        );
         assert_eq!(done.len(), 3);
     }
 
@@ -187,39 +191,39 @@ mod tests {
         let (done, _removed) = fresh();
         done.known.lock().unwrap().ids.insert_range(1..=MAX_IDS);
         assert_eq!(done.len(), MAX_IDS);
-        done.insert(MAX_IDS as i64 + 7, done.epoch());
+        done.insert(MAX_IDS as i64 + 7, epoch(&done));
         assert_eq!(done.len(), 1);
         assert_eq!(
             done.split(&[1, MAX_IDS as i64 + 7]),
-            (vec![1], vec![MAX_IDS as i64 + 7])
+            (vec![1], vec![MAX_IDS as i64 + 7], 0)
         );
     }
 
     #[test]
     fn forgets_everything_once_issues_were_removed() {
         let (done, removed) = fresh();
-        done.insert(4, done.epoch());
+        done.insert(4, epoch(&done));
         removed.send_modify(|seq| *seq = 10);
-        assert_eq!(done.split(&[4]), (vec![4], vec![]));
-        done.insert(4, done.epoch());
-        assert_eq!(done.split(&[4]), (vec![], vec![4]));
+        assert_eq!(done.split(&[4]), (vec![4], vec![], 1));
+        done.insert(4, epoch(&done));
+        assert_eq!(done.split(&[4]), (vec![], vec![4], 1));
     }
 
     #[test]
     fn what_was_read_before_a_removal_is_not_recorded_after_it() {
         let (done, removed) = fresh();
-        let epoch = done.epoch();
+        let epoch = epoch(&done);
         removed.send_modify(|seq| *seq = 10);
         done.insert(4, epoch);
-        assert_eq!(done.split(&[4]), (vec![4], vec![]));
+        assert_eq!(done.split(&[4]), (vec![4], vec![], 1));
     }
 
     #[test]
     fn a_last_notice_counts_after_its_sender_is_gone() {
         let (done, removed) = fresh();
-        done.insert(4, done.epoch());
+        done.insert(4, epoch(&done));
         removed.send_modify(|seq| *seq = 10);
         drop(removed);
-        assert_eq!(done.split(&[4]), (vec![4], vec![]));
+        assert_eq!(done.split(&[4]), (vec![4], vec![], 1));
     }
 }

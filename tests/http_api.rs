@@ -1329,6 +1329,18 @@ async fn a_batch_of_completions_writes_the_current_claims_and_fences_the_rest() 
     );
 }
 
+/// `POST {url}` (an `/ai-articles`) with `ids` as its `issue_ids`.
+async fn post_issue_ids(http: &reqwest::Client, url: &str, ids: Vec<i64>) -> (StatusCode, Value) {
+    send(
+        http,
+        Method::POST,
+        url,
+        Some("application/json"),
+        body(json!({ "issue_ids": ids })),
+    )
+    .await
+}
+
 /// Calls, in this database, of the claim statement, and transitions logged.
 async fn claim_path_statements(sql: &tokio_postgres::Client) -> (i64, i64) {
     let row = sql
@@ -1358,19 +1370,7 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     let service = db.serve("done-cache", offline()).await;
     let url = format!("http://{}/ai-articles", service.addr);
     let http = reqwest::Client::new();
-    let post = |ids: Vec<i64>| {
-        let (http, url) = (http.clone(), url.clone());
-        async move {
-            send(
-                &http,
-                Method::POST,
-                &url,
-                Some("application/json"),
-                body(json!({ "issue_ids": ids })),
-            )
-            .await
-        }
-    };
+    let post = |ids: Vec<i64>| post_issue_ids(&http, &url, ids);
 
     // Nothing claimable: one claim statement, which logs no transition; the
     // DONE one is remembered from its answer, so asking for it alone needs
@@ -1441,19 +1441,7 @@ async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
     let service = db.serve("removals", offline()).await;
     let url = format!("http://{}/ai-articles", service.addr);
     let http = reqwest::Client::new();
-    let post = |ids: Vec<i64>| {
-        let (http, url) = (http.clone(), url.clone());
-        async move {
-            send(
-                &http,
-                Method::POST,
-                &url,
-                Some("application/json"),
-                body(json!({ "issue_ids": ids })),
-            )
-            .await
-        }
-    };
+    let post = |ids: Vec<i64>| post_issue_ids(&http, &url, ids);
     let sql = db.raw().await;
     let removals: [(&str, &str); 2] = [
         (

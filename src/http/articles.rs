@@ -52,8 +52,7 @@ pub async fn request_articles(
     ApiJson(request): ApiJson<ArticleRequest>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     input::check_ids("issue_ids", &request.issue_ids)?;
-    let known_since = state.done.epoch();
-    let (open, done) = state.done.split(&request.issue_ids);
+    let (open, done, known_since) = state.done.split(&request.issue_ids);
     if !done.is_empty() {
         crate::metrics::claims_skipped_known_done(done.len());
     }
