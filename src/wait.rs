@@ -21,9 +21,18 @@
 //! from then on it only consumes transitions (the NOTIFY payload carries
 //! attempts and whether a failure is fatal), never polling. The stream is
 //! gapless across listener reconnects (the listener catches up from the log,
-//! and a lagging stream re-reads it), so nothing is re-read mid-wait and the
-//! deadline is never held up by a query. Any number of waits share the
-//! process's one listener.
+//! and a lagging stream re-reads it), so nothing is re-read mid-wait. Any
+//! number of waits share the process's one listener.
+//!
+//! Two reads are bounded. The first snapshot gives up at the timeout (at
+//! least [`LAST_LOOK_LIMIT`]), so a lock held on the table cannot hold a
+//! wait past it. And at the deadline, before deciding, the wait reads its
+//! targets once more (within [`LAST_LOOK_LIMIT`]): a listener that is behind
+//! at that moment (reconnecting, or on a connection that has silently died
+//! and is not yet found out) must not turn articles that are `DONE` into a
+//! skip. A snapshot newer than the stream's position replaces what the
+//! stream said; a read that fails or is slow leaves the decision to what is
+//! known. A wait that resolves before its deadline issues no query at all.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -32,7 +41,7 @@ use serde::Serialize;
 use statig::prelude::*;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::{self, DbError};
+use crate::db::{self, DbError, DbPool};
 use crate::listener::TransitionHub;
 use crate::status::Status;
 use crate::stream::{StreamError, TransitionStream};
@@ -184,24 +193,32 @@ impl Target {
     }
 }
 
+/// The most the deadline's last look at the targets may take (and the
+/// least the first snapshot is given).
+pub const LAST_LOOK_LIMIT: Duration = Duration::from_secs(1);
+
 /// A wait that is subscribed and has read its targets: nothing that happens
 /// from here on can be missed. Resolve it with [`ArmedWait::outcome`].
 pub struct ArmedWait {
     request: WaitRequest,
     targets: BTreeMap<i64, Target>,
     stream: TransitionStream,
+    pool: DbPool,
     started: Instant,
 }
 
 impl ArmedWait {
-    /// Subscribes, then reads the targets and the log position together.
+    /// Subscribes, then reads the targets and the log position together,
+    /// giving up at the timeout ([`DbError::TimedOut`]).
     pub async fn arm(hub: &TransitionHub, request: WaitRequest) -> Result<ArmedWait, WaitError> {
         let started = Instant::now();
         let live = hub.subscribe();
-        let (targets, seq) = read_targets(hub, &request.issue_ids).await?;
+        let limit = request.timeout.max(LAST_LOOK_LIMIT);
+        let (targets, seq) = read_targets(hub.pool(), &request.issue_ids, limit).await?;
         Ok(ArmedWait {
             stream: TransitionStream::live_after(hub.pool().clone(), live, seq),
             targets,
+            pool: hub.pool().clone(),
             request,
             started,
         })
@@ -224,12 +241,13 @@ impl ArmedWait {
                 // until the deadline decides on what is known by then.
                 next = self.stream.next_through_outages() => {
                     let t = next?;
-                    if let Some(target) = self.targets.get_mut(&t.issue_id) {
-                        *target = Target { status: t.to, attempts: t.attempts, fatal: t.fatal };
+                    if self.take_in(&t) {
                         decision.handle(&self.progress());
                     }
                 }
                 _ = &mut deadline => {
+                    self.last_look().await;
+                    decision.handle(&self.progress());
                     decision.handle(&WaitEvent::Deadline { done: self.done_count() });
                 }
             }
@@ -240,6 +258,42 @@ impl ArmedWait {
             .expect("the loop ends on an outcome");
         crate::metrics::wait_decided(outcome.as_str(), self.started.elapsed());
         Ok(self.report(outcome))
+    }
+
+    /// Records a transition of one of the targets; false for other issues.
+    fn take_in(&mut self, t: &crate::transition::Transition) -> bool {
+        let Some(target) = self.targets.get_mut(&t.issue_id) else {
+            return false;
+        };
+        *target = Target {
+            status: t.to,
+            attempts: t.attempts,
+            fatal: t.fatal,
+        };
+        true
+    }
+
+    /// At the deadline: takes in what the stream already holds, then reads
+    /// the targets once, within [`LAST_LOOK_LIMIT`]; a snapshot newer than
+    /// the stream's position replaces what the stream said.
+    async fn last_look(&mut self) {
+        while let Some(t) = self.stream.try_next() {
+            self.take_in(&t);
+        }
+        match read_targets(&self.pool, &self.request.issue_ids, LAST_LOOK_LIMIT).await {
+            Ok((targets, seq)) if seq > self.stream.last_seq() => {
+                tracing::info!(
+                    stream_at = self.stream.last_seq(),
+                    database_at = seq,
+                    "the transition stream was behind at the wait's deadline; deciding on the database's view"
+                );
+                self.targets = targets;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the wait's targets at its deadline; deciding on what the stream said")
+            }
+        }
     }
 
     fn done_count(&self) -> usize {
@@ -287,12 +341,17 @@ pub async fn smart_wait(
     ArmedWait::arm(hub, request).await?.outcome(cancel).await
 }
 
+/// The targets' state and the log position, in one snapshot, within `limit`.
 async fn read_targets(
-    hub: &TransitionHub,
+    pool: &DbPool,
     ids: &[i64],
+    limit: Duration,
 ) -> Result<(BTreeMap<i64, Target>, i64), WaitError> {
-    let client = hub.pool().get().await.map_err(DbError::from)?;
-    let (rows, seq) = db::issue::wait_targets(&client, ids).await?;
+    let wanted = ids.to_vec();
+    let (rows, seq) = db::bounded(pool, limit, move |client| {
+        Box::pin(async move { db::issue::wait_targets(client, &wanted).await })
+    })
+    .await?;
     let targets: BTreeMap<i64, Target> = rows
         .into_iter()
         .map(|r| {

@@ -6,8 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::{until_published, within, TestDb};
+use newsnack::db::DbError;
 use newsnack::listener::ListenerOptions;
-use newsnack::wait::{smart_wait, ArmedWait, WaitOutcome, WaitRequest};
+use newsnack::wait::{smart_wait, ArmedWait, WaitError, WaitOutcome, WaitRequest};
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
@@ -119,6 +120,118 @@ async fn a_failed_log_read_does_not_end_a_wait() {
     let report = within(30, "all_pass", waiting).await.unwrap().unwrap();
     assert_eq!(report.outcome, WaitOutcome::AllPass);
     assert_eq!(report.completed, ids);
+    stop.cancel();
+}
+
+/// The listener is cut off (its session ended, and no new session let into
+/// the database) while the targets finish: at the deadline the wait reads
+/// them once more and passes on what the database says, instead of
+/// skipping on a stream that stopped.
+#[tokio::test]
+async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 2).await;
+    let (hub, stop) = db.listener().await;
+    // A session in the pool for the wait's reads, opened while it still can.
+    drop(hub.pool().get().await.unwrap());
+    let name: String = sql
+        .query_one("SELECT current_database()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let admit = |allowed: bool| format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS {allowed}");
+    // A database's own sessions cannot close it to new ones.
+    let (admin, connection) = db
+        .config
+        .clone()
+        .dbname("postgres")
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    admin.batch_execute(&admit(false)).await.unwrap();
+    let mut status = hub.status();
+    let pid = status
+        .borrow()
+        .backend_pid
+        .expect("the listener is connected");
+    sql.query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    within(20, "the listener to notice", async {
+        status
+            .wait_for(|s| s.backend_pid != Some(pid))
+            .await
+            .map(|_| ())
+    })
+    .await
+    .unwrap();
+
+    let armed = ArmedWait::arm(&hub, request(&ids, Duration::from_secs(2), 1))
+        .await
+        .unwrap();
+    for &id in &ids {
+        set_status(&sql, id, "DONE").await;
+    }
+    let report = within(30, "the deadline", armed.outcome(&CancellationToken::new())).await;
+    admin.batch_execute(&admit(true)).await.unwrap();
+    let report = report.unwrap();
+    assert_eq!(report.outcome, WaitOutcome::AllPass, "{report:?}");
+    assert_eq!(report.completed, ids);
+    stop.cancel();
+}
+
+/// Another system holds the table locked: the wait's first read gives up
+/// at the timeout instead of hanging with it, and its statement is
+/// cancelled on the server, so nothing is left queued behind the lock.
+#[tokio::test]
+async fn a_lock_on_the_table_cannot_hold_a_wait_past_its_timeout() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 1).await;
+    let (hub, stop) = db.listener().await;
+    let locker = db.raw().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE issue IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let armed = within(
+        20,
+        "the wait to give up",
+        ArmedWait::arm(&hub, request(&ids, Duration::from_secs(1), 1)),
+    )
+    .await;
+    assert!(
+        matches!(armed, Err(WaitError::Db(DbError::TimedOut(_)))),
+        "{:?}",
+        armed.err()
+    );
+    let queued: i64 = sql
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(queued, 0, "a cancelled read still waits on the lock");
+    locker.batch_execute("COMMIT").await.unwrap();
+    // The pool's sessions still answer.
+    set_status(&sql, ids[0], "DONE").await;
+    let report = within(
+        30,
+        "a wait once the lock is gone",
+        smart_wait(
+            &hub,
+            request(&ids, Duration::from_secs(30), 1),
+            &CancellationToken::new(),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.outcome, WaitOutcome::AllPass);
     stop.cancel();
 }
 

@@ -13,6 +13,7 @@ pub mod transition;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use futures::future::BoxFuture;
 use tokio_postgres::NoTls;
 
 /// The pooled connections every request and worker borrows from.
@@ -32,6 +33,9 @@ pub enum DbError {
     /// A write skipped a row another transaction held rather than wait.
     #[error("issue {0} is locked by another transaction")]
     RowLocked(i64),
+    /// A bounded read ([`bounded`]) got no answer in time.
+    #[error("the database did not answer within {0:?}")]
+    TimedOut(Duration),
 }
 
 impl DbError {
@@ -185,6 +189,37 @@ pub fn pool(mut config: tokio_postgres::Config, options: &PoolOptions) -> Result
         .create_timeout(Some(Duration::from_secs(5)))
         .build()
         .map_err(|e| DbError::Invalid(format!("cannot build the connection pool: {e}")))
+}
+
+/// Runs `query` on a session from `pool` and gives up after `limit`, the
+/// wait for a free session included, with [`DbError::TimedOut`]. For reads
+/// that must not outlast a deadline, e.g. behind a lock another session
+/// holds on the table. A statement still running at the limit is cancelled
+/// on the server and awaited (for at most `limit` again), so the session
+/// goes back to the pool idle; one that will not end is closed instead, so
+/// no later borrower queues behind it.
+pub async fn bounded<T>(
+    pool: &DbPool,
+    limit: Duration,
+    query: impl for<'c> FnOnce(&'c deadpool_postgres::Client) -> BoxFuture<'c, Result<T, DbError>>,
+) -> Result<T, DbError> {
+    let deadline = tokio::time::Instant::now() + limit;
+    let client = tokio::time::timeout_at(deadline, pool.get())
+        .await
+        .map_err(|_| DbError::TimedOut(limit))??;
+    let cancel = client.cancel_token();
+    let ended = {
+        let mut running = query(&client);
+        if let Ok(answer) = tokio::time::timeout_at(deadline, &mut running).await {
+            return answer;
+        }
+        let _ = tokio::time::timeout(limit, cancel.cancel_query(NoTls)).await;
+        tokio::time::timeout(limit, running).await.is_ok()
+    };
+    if !ended {
+        drop(deadpool_postgres::Object::take(client));
+    }
+    Err(DbError::TimedOut(limit))
 }
 
 /// Opens one connection outside any pool and drives it in the background.

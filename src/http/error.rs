@@ -106,7 +106,7 @@ impl From<DbError> for ApiError {
     fn from(e: DbError) -> Self {
         use tokio_postgres::error::SqlState;
         match &e {
-            DbError::Pool(_) => ApiError::Unavailable(e.to_string()),
+            DbError::Pool(_) | DbError::TimedOut(_) => ApiError::Unavailable(e.to_string()),
             _ if e.code() == Some(&SqlState::CHECK_VIOLATION) => {
                 ApiError::unprocessable(e.server_message().unwrap_or("rejected by a database rule"))
             }
