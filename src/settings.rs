@@ -3,10 +3,10 @@
 //! `setting_changed` notification, and never polls.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{watch, Mutex};
+use tokio::sync::watch;
 
 use crate::db::{self, DbError, DbPool};
 
@@ -101,7 +101,10 @@ impl Settings {
     }
 }
 
-/// The settings as last read, re-read on next use after a change.
+/// The settings as last read, re-read on next use after a change. The
+/// read runs outside the lock: callers that find the cache out of date
+/// each read for themselves, so when no connection is free each waits out
+/// the pool's timeout once, side by side, not one after another.
 pub struct SettingsCache {
     pool: DbPool,
     changes: watch::Receiver<u64>,
@@ -122,16 +125,23 @@ impl SettingsCache {
     /// The current settings: cached, unless a change was announced since
     /// they were read.
     pub async fn get(&self) -> Result<Arc<Settings>, DbError> {
-        let mut current = self.current.lock().await;
         let version = *self.changes.borrow();
-        if let Some((seen, settings)) = current.as_ref() {
-            if *seen == version {
-                return Ok(settings.clone());
+        if let Some((seen, settings)) = self.cached() {
+            if seen == version {
+                return Ok(settings);
             }
         }
         let settings = Arc::new(Settings::load(&self.pool).await?);
-        *current = Some((version, settings.clone()));
+        let mut current = self.current.lock().expect("settings cache lock");
+        // A read that began before a later one finished keeps the newer.
+        if current.as_ref().is_none_or(|(seen, _)| *seen <= version) {
+            *current = Some((version, settings.clone()));
+        }
         Ok(settings)
+    }
+
+    fn cached(&self) -> Option<(u64, Arc<Settings>)> {
+        self.current.lock().expect("settings cache lock").clone()
     }
 }
 

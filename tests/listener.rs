@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::{within, TestDb};
 use newsnack::listener::ListenerOptions;
+use newsnack::settings::SettingsCache;
 
 const TRANSITIONS: usize = 400;
 const KILLS: u64 = 5;
@@ -105,6 +106,48 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
         hub.status().borrow()
     );
     stop.cancel();
+}
+
+/// When the settings must be re-read and no connection is free, the
+/// callers wait for the pool side by side (each at most the pool's
+/// timeout), not one after another behind the cache's lock.
+#[tokio::test]
+async fn settings_reads_wait_for_the_pool_side_by_side() {
+    let db = TestDb::new().await;
+    let pool = newsnack::db::pool(
+        db.config.clone(),
+        &newsnack::db::PoolOptions {
+            max_size: 1,
+            wait_timeout: Duration::from_secs(60),
+        },
+    )
+    .unwrap();
+    let (announce, changes) = tokio::sync::watch::channel(0u64);
+    let cache = std::sync::Arc::new(SettingsCache::new(pool.clone(), changes));
+    cache.get().await.unwrap();
+    db.set("top_k", "7").await;
+    announce.send_replace(1);
+    let busy = pool.get().await.unwrap();
+    let readers: Vec<_> = (0..3)
+        .map(|_| {
+            let cache = cache.clone();
+            tokio::spawn(async move { cache.get().await })
+        })
+        .collect();
+    within(10, "three reads waiting for the pool at once", async {
+        while pool.status().waiting < 3 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    drop(busy);
+    for reader in readers {
+        let settings = within(10, "a settings read", reader)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(settings.top_k, 7);
+    }
 }
 
 #[tokio::test]
