@@ -582,6 +582,23 @@ async fn retake(config: &tokio_postgres::Config, instance: &str) -> Option<Advis
     None
 }
 
+/// The tick to wait for: the one already armed while the schedule is
+/// unchanged, even if it has just passed (a change announced shortly before
+/// it, a listener reconnect say, and a slow re-read of the settings must
+/// not lose it: it runs at once, and the one-run-per-tick record keeps it to
+/// one run); otherwise the schedule's first tick after `now`.
+fn tick_to_arm(
+    armed: Option<&(String, OffsetDateTime)>,
+    schedule_text: &str,
+    schedule: &Schedule,
+    now: OffsetDateTime,
+) -> Option<OffsetDateTime> {
+    match armed {
+        Some((armed_text, tick)) if armed_text == schedule_text => Some(*tick),
+        _ => schedule.next_tick(now),
+    }
+}
+
 /// How soon the scheduler reads its settings again after a failed read.
 const SETTINGS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -593,10 +610,12 @@ pub struct PipelineScheduler {
 impl PipelineScheduler {
     pub async fn run(self, shutdown: CancellationToken) {
         let mut changes = self.pipeline.hub.settings_changed();
+        // The tick waited for, with the schedule it came from, until it runs.
+        let mut armed: Option<(String, OffsetDateTime)> = None;
         loop {
             changes.borrow_and_update();
-            let schedule = match self.pipeline.settings.get().await {
-                Ok(s) => s.schedule.parse::<Schedule>(),
+            let settings = match self.pipeline.settings.get().await {
+                Ok(settings) => settings,
                 Err(e) => {
                     tracing::warn!(error = %e, retry_in = ?SETTINGS_RETRY, "cannot read the schedule; will try again");
                     tokio::select! {
@@ -605,13 +624,19 @@ impl PipelineScheduler {
                     }
                 }
             };
-            let next = match schedule {
-                Ok(schedule) => schedule.next_tick(OffsetDateTime::now_utc()),
+            let next = match settings.schedule.parse::<Schedule>() {
+                Ok(schedule) => tick_to_arm(
+                    armed.as_ref(),
+                    &settings.schedule,
+                    &schedule,
+                    OffsetDateTime::now_utc(),
+                ),
                 Err(e) => {
                     tracing::error!(error = %e, "the schedule setting is invalid; scheduler idle until it changes");
                     None
                 }
             };
+            armed = next.map(|tick| (settings.schedule.clone(), tick));
             let Some(tick) = next else {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -626,6 +651,7 @@ impl PipelineScheduler {
                 Ok(()) = changes.changed() => continue,
                 _ = sleep => {}
             }
+            armed = None;
             match self
                 .pipeline
                 .run_locked(Trigger::Schedule(tick), &shutdown)
@@ -644,5 +670,36 @@ impl PipelineScheduler {
                 Err(e) => tracing::warn!(error = %e, "scheduled run failed"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    #[test]
+    fn a_tick_armed_before_a_slow_settings_read_is_not_lost() {
+        let text = "0 6 * * *";
+        let schedule: Schedule = text.parse().unwrap();
+        let tick = datetime!(2026-11-30 06:00:00 UTC);
+        let armed = (text.to_string(), tick);
+        // A change was announced at 05:59:59.8; the re-read ends at 06:00:00.1.
+        let after = datetime!(2026-11-30 06:00:00.1 UTC);
+        assert_eq!(
+            tick_to_arm(Some(&armed), text, &schedule, after),
+            Some(tick)
+        );
+        // A new schedule counts from now.
+        let hourly: Schedule = "0 * * * *".parse().unwrap();
+        assert_eq!(
+            tick_to_arm(Some(&armed), "0 * * * *", &hourly, after),
+            Some(datetime!(2026-11-30 07:00:00 UTC))
+        );
+        // Nothing armed: the next tick after now.
+        assert_eq!(
+            tick_to_arm(None, text, &schedule, after),
+            Some(datetime!(2026-12-01 06:00:00 UTC))
+        );
     }
 }
