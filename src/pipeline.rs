@@ -136,14 +136,23 @@ impl Pipeline {
     ) -> Result<Option<RunSummary>, PipelineError> {
         let settings = self.settings.get().await?;
         let client = self.pool.get().await.map_err(DbError::from)?;
-        let stale = pipeline_run::abandon_stale(&client).await?;
-        if stale > 0 {
-            tracing::warn!(stale, "marked runs of a stopped instance as abandoned");
-        }
         let (kind, tick) = match trigger {
             Trigger::Schedule(tick) => ("schedule", Some(tick)),
             Trigger::Manual => ("manual", None),
         };
+        // A tick that already has a run is left alone, before anything is
+        // marked abandoned: its run may be alive and only between lock
+        // sessions, about to take the lock back and finish.
+        if let Some(tick) = tick {
+            if pipeline_run::tick_has_run(&client, tick).await? {
+                tracing::debug!(%tick, "this tick already ran");
+                return Ok(None);
+            }
+        }
+        let stale = pipeline_run::abandon_stale(&client).await?;
+        if stale > 0 {
+            tracing::warn!(stale, "marked runs of a stopped instance as abandoned");
+        }
         let used = serde_json::to_value(&*settings).unwrap_or_default();
         let Some(run_id) = pipeline_run::start(&client, kind, tick, &self.instance, &used).await?
         else {

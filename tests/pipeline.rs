@@ -13,6 +13,7 @@ use std::sync::Arc;
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
 use common::{until_sql, within, TestDb};
+use newsnack::pipeline::Trigger;
 use newsnack::writer::OfflineWriter;
 
 fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
@@ -443,6 +444,63 @@ async fn a_setting_changed_with_sql_changes_the_next_scheduled_run() {
         .message()
         .contains("cron expression"));
     service.stop().await.unwrap();
+}
+
+/// An instance that comes late for a tick whose run is recorded leaves that
+/// run alone, even while it is `running` with no lock held: its instance may
+/// be between lock sessions, about to take the lock back and finish it.
+/// Other triggers still mark such runs `abandoned` (they run instead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_instance_leaves_a_tick_that_already_has_a_run_alone() {
+    let db = TestDb::new().await;
+    scored_issues(&db, &[1.0]).await;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let core = newsnack::serve::Core::start(
+        &db.url,
+        "late",
+        4,
+        Arc::new(OfflineWriter),
+        std::time::Duration::from_secs(1),
+        newsnack::retry::RetryScope::everything(),
+        &shutdown,
+    )
+    .await
+    .unwrap();
+    let tick = time::macros::datetime!(2026-11-30 06:00:00 UTC);
+    let sql = db.raw().await;
+    let first: i64 = sql
+        .query_one(
+            "INSERT INTO pipeline_run (trigger, tick, instance) VALUES ('schedule', $1, 'first')
+             RETURNING id",
+            &[&tick],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let outcome_of_first = || async {
+        db.raw()
+            .await
+            .query_one("SELECT outcome FROM pipeline_run WHERE id = $1", &[&first])
+            .await
+            .unwrap()
+            .get::<_, String>(0)
+    };
+    let pipeline = core.pipeline();
+    let late = pipeline
+        .run_locked(Trigger::Schedule(tick), &shutdown)
+        .await
+        .unwrap();
+    assert!(late.is_none(), "{late:?}");
+    assert_eq!(outcome_of_first().await, "running");
+    // A manual run runs instead, so it calls the first one abandoned.
+    let manual = pipeline
+        .run_locked(Trigger::Manual, &shutdown)
+        .await
+        .unwrap();
+    assert!(manual.is_some());
+    assert_eq!(outcome_of_first().await, "abandoned");
+    shutdown.cancel();
+    core.stopped().await;
 }
 
 fn spawn_serve(db: &TestDb, name: &str) -> ServeProcess {

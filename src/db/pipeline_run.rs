@@ -59,6 +59,20 @@ pub async fn start(
     Ok(row.map(|r| r.get(0)))
 }
 
+/// Whether a scheduled run of `tick` was recorded, whatever its outcome.
+pub async fn tick_has_run(
+    client: &impl GenericClient,
+    tick: OffsetDateTime,
+) -> Result<bool, DbError> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pipeline_run WHERE trigger = 'schedule' AND tick = $1)",
+            &[&tick],
+        )
+        .await?
+        .get(0))
+}
+
 /// Marks runs left `running` by an instance that died as `abandoned`.
 /// Call only while holding the pipeline lock (so none is really running).
 pub async fn abandon_stale(client: &impl GenericClient) -> Result<u64, DbError> {
