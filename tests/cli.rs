@@ -273,6 +273,30 @@ async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
     );
 }
 
+/// An issue whose `updated_at` was set to `infinity` with plain SQL (a date
+/// the service cannot represent) is a clear one-line error, not a panic.
+#[tokio::test]
+async fn showing_an_issue_with_an_unreadable_date_is_a_one_line_error() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    db.raw()
+        .await
+        .execute(
+            "UPDATE issue SET updated_at = 'infinity' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let out = newsnack(&db.url, &["issues", "show", &id.to_string()]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(
+        err.starts_with(&format!("newsnack: issue {id}: updated_at holds")),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_json_replays_history_and_follows_live_one_object_per_line() {
     let db = TestDb::new().await;

@@ -1557,3 +1557,107 @@ async fn issues_claimed_for_a_client_that_hung_up_are_still_generated() {
     eprintln!("hung-up clients: {done} issues claimed and generated, {pending} never claimed");
     service.stop().await.unwrap();
 }
+
+/// A date or time written with plain SQL that the service cannot represent
+/// (`infinity`, `-infinity`, a year beyond 9999) makes the reads that meet
+/// it answer 500 with a JSON error naming the row and the column, not drop
+/// the connection; the transition log's reader says the same; everything
+/// else is served as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dates_the_service_cannot_represent_are_a_json_500_naming_the_row() {
+    let db = TestDb::new().await;
+    let service = db.serve("dates", offline()).await;
+    let base = format!("http://{}", service.addr);
+    let http = reqwest::Client::new();
+    let ids = db.add_issues(2).await;
+    let (bad, good) = (ids[0], ids[1]);
+    let sql = db.raw().await;
+    sql.execute(
+        "UPDATE issue SET updated_at = 'infinity' WHERE id = $1",
+        &[&bad],
+    )
+    .await
+    .unwrap();
+    let briefing: i64 = sql
+        .query_one(
+            "INSERT INTO briefing (title, briefing_date, issue_ids, body, created_at)
+             VALUES ('t', '2026-01-01', ARRAY[$1::bigint], 'b', '10000-01-01 00:00:00+00')
+             RETURNING id",
+            &[&good],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let run: i64 = sql
+        .query_one(
+            "INSERT INTO pipeline_run (trigger, instance, started_at)
+             VALUES ('manual', 'elsewhere', '-infinity') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for (path, expected) in [
+        (format!("/issues/{bad}"), format!("issue {bad}: updated_at")),
+        (
+            "/briefings/latest".to_string(),
+            format!("briefing {briefing}: created_at"),
+        ),
+        (
+            format!("/briefings/{briefing}"),
+            format!("briefing {briefing}: created_at"),
+        ),
+        (
+            "/pipeline-runs".to_string(),
+            format!("pipeline run {run}: started_at"),
+        ),
+        (
+            "/dashboard.json".to_string(),
+            format!("pipeline run {run}: started_at"),
+        ),
+    ] {
+        let (status, answer) = send(&http, Method::GET, &format!("{base}{path}"), None, None).await;
+        assert_eq!(
+            status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{path}: {answer}"
+        );
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains(&expected) && error.contains("cannot read"),
+            "{path}: {answer}"
+        );
+    }
+
+    // The log's reader meets such a value as an error, too.
+    let seq: i64 = sql
+        .query_one(
+            "UPDATE issue_transition SET at = 'infinity'
+              WHERE seq = (SELECT max(seq) FROM issue_transition WHERE issue_id = $1)
+             RETURNING seq",
+            &[&good],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let client = db.pool.get().await.unwrap();
+    let err = newsnack::db::transition::read_after(&**client, 0, Some(good), 10)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&format!("transition {seq}: at holds")),
+        "{err}"
+    );
+
+    let (status, issue) = send(
+        &http,
+        Method::GET,
+        &format!("{base}/issues/{good}"),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{issue}");
+    service.stop().await.unwrap();
+}

@@ -74,16 +74,17 @@ pub async fn insert(
     Ok(row.get(0))
 }
 
-fn from_row(r: &tokio_postgres::Row) -> Briefing {
-    let date: Date = r.get(2);
-    Briefing {
-        id: r.get(0),
+fn from_row(r: &tokio_postgres::Row) -> Result<Briefing, DbError> {
+    let id: i64 = r.get(0);
+    let date: Date = super::time_column(r, 2, "briefing", id)?;
+    Ok(Briefing {
+        id,
         title: r.get(1),
         briefing_date: date.to_string(),
         issue_ids: r.get(3),
         body: r.get(4),
-        created_at: r.get(5),
-    }
+        created_at: super::time_column(r, 5, "briefing", id)?,
+    })
 }
 
 /// One briefing by id, or the newest when `id` is `None`.
@@ -98,5 +99,5 @@ pub async fn get(
             &[&id],
         )
         .await?;
-    Ok(row.as_ref().map(from_row))
+    row.as_ref().map(from_row).transpose()
 }

@@ -123,15 +123,18 @@ pub async fn snapshot(
         )
         .await?
         .iter()
-        .map(|r| InFlight {
-            id: r.get(0),
-            title: r.get(1),
-            claimed_by: r.get(2),
-            lease_until: r.get(3),
-            attempts: r.get(4),
-            since: r.get(5),
+        .map(|r| {
+            let id: i64 = r.get(0);
+            Ok(InFlight {
+                id,
+                title: r.get(1),
+                claimed_by: r.get(2),
+                lease_until: super::time_column(r, 3, "issue", id)?,
+                attempts: r.get(4),
+                since: super::time_column(r, 5, "issue", id)?,
+            })
         })
-        .collect();
+        .collect::<Result<_, DbError>>()?;
 
     let transitions = tx
         .query(
@@ -145,8 +148,9 @@ pub async fn snapshot(
         .await?
         .into_iter()
         .map(|r| {
+            let seq: i64 = r.get(0);
             Ok(RecentTransition {
-                seq: r.get(0),
+                seq,
                 issue_id: r.get(1),
                 title: r.get(2),
                 from: r
@@ -154,7 +158,7 @@ pub async fn snapshot(
                     .map(super::parse_status)
                     .transpose()?,
                 to: super::parse_status(r.get(4))?,
-                at: r.get(5),
+                at: super::time_column(&r, 5, "transition", seq)?,
                 attempts: r.get(6),
                 fatal: r.get(7),
                 reason: r.get(8),

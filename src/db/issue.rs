@@ -128,18 +128,19 @@ const VIEW_COLUMNS: &str = "id, title, body, score, collected_at, processing_sta
                             last_error, updated_at, claimed_by, lease_until";
 
 fn view_from_row(row: &tokio_postgres::Row) -> Result<IssueView, DbError> {
+    let id: i64 = row.get(0);
     Ok(IssueView {
-        id: row.get(0),
+        id,
         title: row.get(1),
         body: row.get(2),
         score: row.get(3),
-        collected_at: row.get(4),
+        collected_at: super::time_column(row, 4, "issue", id)?,
         status: super::parse_status(row.get(5))?,
         attempts: row.get(6),
         last_error: row.get(7),
-        updated_at: row.get(8),
+        updated_at: super::time_column(row, 8, "issue", id)?,
         claimed_by: row.get(9),
-        lease_until: row.get(10),
+        lease_until: super::time_column(row, 10, "issue", id)?,
     })
 }
 

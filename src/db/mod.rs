@@ -36,6 +36,10 @@ pub enum DbError {
     /// A bounded read ([`bounded`]) got no answer in time.
     #[error("the database did not answer within {0:?}")]
     TimedOut(Duration),
+    /// A stored value the service cannot represent: a date or time that is
+    /// infinite or beyond the year 9999, written with plain SQL.
+    #[error("{0}")]
+    Unreadable(String),
 }
 
 impl DbError {
@@ -108,6 +112,26 @@ impl DbError {
 /// the state machine is an error, not a panic.
 pub(crate) fn parse_status(text: &str) -> Result<crate::status::Status, DbError> {
     text.parse().map_err(|e| DbError::Invalid(format!("{e}")))
+}
+
+/// Reads date or time column `idx` of the row of `what` number `id` (e.g.
+/// "issue", 7). PostgreSQL stores values the service cannot represent:
+/// `infinity`, `-infinity`, or a year beyond 9999, written with plain SQL.
+/// Such a value is a [`DbError::Unreadable`] naming the row and the column,
+/// not a panic.
+pub(crate) fn time_column<'a, T: tokio_postgres::types::FromSql<'a>>(
+    row: &'a tokio_postgres::Row,
+    idx: usize,
+    what: &str,
+    id: i64,
+) -> Result<T, DbError> {
+    row.try_get(idx).map_err(|_| {
+        let column = row.columns().get(idx).map_or("?", |c| c.name());
+        DbError::Unreadable(format!(
+            "{what} {id}: {column} holds a date or time newsnack cannot read \
+             (it must be finite and within the years 1 to 9999)"
+        ))
+    })
 }
 
 /// Renders a tokio-postgres error with the server's message when it has one

@@ -149,22 +149,24 @@ pub async fn recent(client: &impl GenericClient, limit: i64) -> Result<Vec<RunVi
             &[&limit],
         )
         .await?;
-    Ok(rows
-        .iter()
-        .map(|r| RunView {
-            id: r.get(0),
-            trigger: r.get(1),
-            tick: r.get(2),
-            instance: r.get(3),
-            started_at: r.get(4),
-            finished_at: r.get(5),
-            outcome: r.get(6),
-            targets: r.get(7),
-            completed: r.get(8),
-            briefing_id: r.get(9),
-            error: r.get(10),
+    rows.iter()
+        .map(|r| {
+            let id: i64 = r.get(0);
+            Ok(RunView {
+                id,
+                trigger: r.get(1),
+                tick: super::time_column(r, 2, "pipeline run", id)?,
+                instance: r.get(3),
+                started_at: super::time_column(r, 4, "pipeline run", id)?,
+                finished_at: super::time_column(r, 5, "pipeline run", id)?,
+                outcome: r.get(6),
+                targets: r.get(7),
+                completed: r.get(8),
+                briefing_id: r.get(9),
+                error: r.get(10),
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// The pipeline's candidates: the `top_k` hottest issues collected within

@@ -42,17 +42,18 @@ pub async fn read_after(
     };
     rows.iter()
         .map(|row| {
+            let seq: i64 = row.get(0);
             let from: Option<String> = row.get(2);
             let to: String = row.get(3);
             Ok(Transition {
-                seq: row.get(0),
+                seq,
                 issue_id: row.get(1),
                 from: from
                     .map(|s| s.parse())
                     .transpose()
                     .map_err(|e| DbError::Invalid(format!("{e}")))?,
                 to: to.parse().map_err(|e| DbError::Invalid(format!("{e}")))?,
-                at: row.get(4),
+                at: super::time_column(row, 4, "transition", seq)?,
                 attempts: row.get(5),
                 fatal: row.get(6),
             })

@@ -1,5 +1,6 @@
 //! The one error type of the HTTP API: every failure becomes a status code
-//! and a `{"error": "..."}` body. Internal details are logged, never sent.
+//! and a `{"error": "..."}` body. Internal details are logged, never sent
+//! (a stored value the service cannot read is named, so it can be mended).
 //! A 503 (no database connection within the pool's wait timeout, the
 //! database down, or shutdown) also says `Retry-After: 1`: the condition is
 //! usually over in moments, and the request changed nothing.
@@ -36,6 +37,10 @@ pub enum ApiError {
     /// 503 with `Retry-After` and this message: this instance has more
     /// work than it takes on.
     Overloaded(String),
+    /// 500 with this message: a stored row the service cannot answer with
+    /// (a date written with plain SQL that it cannot represent). The
+    /// message names the row and the column, so an operator can mend it.
+    Unreadable(String),
     /// 500: logged in full, answered briefly.
     Internal(String),
 }
@@ -84,6 +89,13 @@ impl IntoResponse for ApiError {
                 )];
                 return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
             }
+            ApiError::Unreadable(message) => {
+                tracing::error!(%message, "answering 500");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    serde_json::json!({ "error": message }),
+                )
+            }
             ApiError::Internal(message) => {
                 tracing::error!(%message, "answering 500");
                 (
@@ -107,6 +119,7 @@ impl From<DbError> for ApiError {
         use tokio_postgres::error::SqlState;
         match &e {
             DbError::Pool(_) | DbError::TimedOut(_) => ApiError::Unavailable(e.to_string()),
+            DbError::Unreadable(message) => ApiError::Unreadable(message.clone()),
             _ if e.code() == Some(&SqlState::CHECK_VIOLATION) => {
                 ApiError::unprocessable(e.server_message().unwrap_or("rejected by a database rule"))
             }

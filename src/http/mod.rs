@@ -5,7 +5,9 @@
 //! Around every route: an `x-request-id` (the client's, or a new UUID) set on
 //! the request and echoed on the response, a request span carrying that id,
 //! the method and the path, and the API token check on non-read requests
-//! ([`auth`]). `GET /metrics` renders [`crate::metrics`].
+//! ([`auth`]). A handler that panics is answered 500 `{"error": ..}` (and
+//! logged) rather than with a dropped connection. `GET /metrics` renders
+//! [`crate::metrics`].
 
 pub mod articles;
 pub mod auth;
@@ -26,6 +28,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderValue, Request, Response};
 use axum::routing::get;
 use axum::Router;
+use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
@@ -81,6 +84,7 @@ pub fn router(state: AppState) -> Router {
             token,
             auth::require_token,
         ))
+        .layer(CatchPanicLayer::custom(panic_response))
         // Layers added later wrap the earlier ones: the id is set first,
         // then the span opens, and the id is copied onto every response
         // (401s included).
@@ -138,6 +142,20 @@ fn log_response<B>(response: &Response<B>, latency: Duration, span: &tracing::Sp
     }
 }
 
+/// The answer to a request whose handler panicked: the API's 500, with the
+/// panic's message in the log. The last line of defence: handlers return
+/// errors rather than panic.
+fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response<axum::body::Body> {
+    let detail = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    axum::response::IntoResponse::into_response(ApiError::Internal(format!(
+        "a handler panicked: {detail}"
+    )))
+}
+
 async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::NotFound(format!("no such endpoint: {}", uri.path()))
 }
@@ -147,4 +165,29 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
         axum::http::StatusCode::METHOD_NOT_ALLOWED,
         format!("{method} is not allowed on {}", uri.path()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panicking handler is answered 500 with a JSON error, and the
+    /// server goes on answering.
+    #[tokio::test]
+    async fn a_panicking_handler_gets_a_json_500_not_a_dropped_connection() {
+        let app: Router = Router::new()
+            .route("/boom", get(|| async { panic!("boom") as &'static str }))
+            .route("/fine", get(|| async { "fine" }))
+            .layer(CatchPanicLayer::custom(panic_response));
+        let socket = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", socket.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(socket, app).await });
+        let http = reqwest::Client::new();
+        let boom = http.get(format!("{base}/boom")).send().await.unwrap();
+        assert_eq!(boom.status(), reqwest::StatusCode::INTERNAL_SERVER_ERROR);
+        let body: serde_json::Value = boom.json().await.unwrap();
+        assert_eq!(body, serde_json::json!({ "error": "internal error" }));
+        let fine = http.get(format!("{base}/fine")).send().await.unwrap();
+        assert_eq!(fine.status(), reqwest::StatusCode::OK);
+    }
 }
