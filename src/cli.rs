@@ -119,7 +119,8 @@ pub struct ServeArgs {
 #[derive(Debug, Args)]
 pub struct TailArgs {
     /// Start after this log position (0 replays the whole history);
-    /// default: from now on.
+    /// default: from now on. A position beyond the log's end starts at its
+    /// end, with a warning.
     #[arg(long, value_name = "SEQ", value_parser = clap::value_parser!(i64).range(0..))]
     pub since: Option<i64>,
     /// Only this issue's transitions.
@@ -291,8 +292,14 @@ async fn tail(url: &str, args: TailArgs) -> Result<ExitCode, CliError> {
     crate::shutdown::cancel_on_signal(shutdown.clone());
     let (hub, _listener) =
         Listener::start(config, pool, ListenerOptions::default(), shutdown.clone()).await?;
-    let start = args.since.unwrap_or_else(|| hub.status().borrow().last_seq);
-    let mut stream = hub.stream_after(start, args.issue);
+    let start = hub.starting_point(args.since).await;
+    if let Some(requested) = start.beyond_log {
+        eprintln!(
+            "newsnack: the log has no transition at seq {requested} (it ends at {}); following from its end",
+            start.after
+        );
+    }
+    let mut stream = hub.stream_after(start.after, args.issue);
     let style = if args.json {
         TailStyle::Json
     } else if std::io::stdout().is_terminal() {

@@ -75,6 +75,17 @@ pub struct ListenerStatus {
     pub last_seq: i64,
 }
 
+/// Where a reader that asked to start after some `seq` starts (see
+/// [`TransitionHub::starting_point`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartingPoint {
+    /// Every transition after this `seq` is delivered.
+    pub after: i64,
+    /// The `seq` asked for, when the log never reached it and the reader
+    /// starts at the log's end (`after`) instead: the reader should say so.
+    pub beyond_log: Option<i64>,
+}
+
 /// The subscriber side: cheap to clone, shared by every task of a process.
 #[derive(Clone)]
 pub struct TransitionHub {
@@ -105,6 +116,54 @@ impl TransitionHub {
     /// falls behind.
     pub fn stream_after(&self, seq: i64, issue_id: Option<i64>) -> TransitionStream {
         TransitionStream::new(self.inner.pool.clone(), self.subscribe(), seq, issue_id)
+    }
+
+    /// Where a reader (an SSE client, `newsnack tail`) asking to start
+    /// after `requested` starts; `None`: from the newest transition
+    /// published, i.e. live from now on.
+    ///
+    /// A position beyond the newest published one usually means the
+    /// listener is a moment behind the log (the reader had the position
+    /// from another instance): the reader starts where asked. But a
+    /// position the log itself has not reached means the log is not the
+    /// one the reader followed (a new throwaway database, or one restored
+    /// from an older backup). Waiting for the log to grow past it would
+    /// silently skip every transition until then, so the reader starts at
+    /// the log's end instead, with [`StartingPoint::beyond_log`] set. If
+    /// the log's end cannot be read, it starts where asked.
+    pub async fn starting_point(&self, requested: Option<i64>) -> StartingPoint {
+        let newest = self.inner.status.borrow().last_seq;
+        let at = |after| StartingPoint {
+            after,
+            beyond_log: None,
+        };
+        let requested = match requested {
+            None => return at(newest),
+            Some(seq) if seq <= newest => return at(seq),
+            Some(seq) => seq,
+        };
+        let end = match self.inner.pool.get().await {
+            Ok(client) => db::transition::last_seq(&**client).await,
+            Err(e) => Err(e.into()),
+        };
+        match end {
+            Ok(end) if requested > end => {
+                tracing::info!(
+                    requested,
+                    end,
+                    "asked to start beyond the log; starting at its end"
+                );
+                StartingPoint {
+                    after: end,
+                    beyond_log: Some(requested),
+                }
+            }
+            Ok(_) => at(requested),
+            Err(e) => {
+                tracing::warn!(error = %e, requested, "cannot read the end of the log; starting where asked");
+                at(requested)
+            }
+        }
     }
 
     /// How long ago the transition `seq` was published here: zero if it

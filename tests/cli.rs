@@ -340,6 +340,65 @@ async fn tail_json_replays_history_and_follows_live_one_object_per_line() {
     assert!(status.success(), "{status:?}");
 }
 
+/// `--since` beyond the log's end (a database restored from an older
+/// backup, or a new one) is not waited for in silence: the tail says so on
+/// stderr and follows from the log's end, as `GET /events` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_since_beyond_the_log_warns_and_follows_from_its_end() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(1).await;
+    let end = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
+    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .args(["tail", "--json", "--since", &(end + 1000).to_string()])
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Each pipe is read on a thread of its own, so a tail that says or
+    // prints nothing fails the test at the deadline instead of hanging it.
+    let lines_of = |pipe: Box<dyn std::io::Read + Send>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        rx
+    };
+    let stderr = lines_of(Box::new(tail.stderr.take().unwrap()));
+    let stdout = lines_of(Box::new(tail.stdout.take().unwrap()));
+    let deadline = std::time::Duration::from_secs(30);
+    let warning = tokio::task::block_in_place(|| stderr.recv_timeout(deadline));
+    db.raw()
+        .await
+        .execute(
+            "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+            &[&ids[0]],
+        )
+        .await
+        .unwrap();
+    let next = tokio::task::block_in_place(|| stdout.recv_timeout(deadline));
+    unsafe {
+        libc::kill(tail.id() as i32, libc::SIGINT);
+    }
+    let status = tokio::task::block_in_place(|| tail.wait().unwrap());
+    let warning = warning.expect("a warning on stderr");
+    assert!(
+        warning.contains(&format!("no transition at seq {}", end + 1000))
+            && warning.contains(&format!("it ends at {end}")),
+        "{warning}"
+    );
+    let next: serde_json::Value =
+        serde_json::from_str(&next.expect("the next transition")).unwrap();
+    assert_eq!(next["seq"], end + 1);
+    assert_eq!(next["to"], "IN_PROGRESS");
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test]
 async fn wait_prints_its_json_and_exits_3_on_skip() {
     let db = TestDb::new().await;

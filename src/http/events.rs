@@ -86,7 +86,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::error::ApiError;
 use super::AppState;
-use crate::listener::{ListenerStatus, TransitionHub};
+use crate::listener::{ListenerStatus, StartingPoint, TransitionHub};
 use crate::stream::TransitionStream;
 use crate::transition::Transition;
 
@@ -191,13 +191,15 @@ async fn events(
     let requested = requested_start(&headers, query.since.as_deref())?;
     let head = state.hub.status();
     let newest = head.borrow().last_seq;
-    let (start, preface) = match requested {
-        None => (newest, None),
-        Some(seq) if seq <= newest => (seq, None),
-        Some(seq) => start_beyond_newest(&state, seq).await,
-    };
+    // A start the log never reached begins at its end, announced by a
+    // `reset` event whose `id:` is that end (a browser's `EventSource`
+    // resumes from it from then on).
+    let StartingPoint {
+        after: start,
+        beyond_log,
+    } = state.hub.starting_point(requested).await;
     let feed = Feed {
-        preface,
+        preface: beyond_log.map(|requested| reset_event(requested, start)),
         stream: state.hub.stream_after(start, issue_id),
         hub: state.hub.clone(),
         cache,
@@ -223,40 +225,6 @@ async fn events(
     // Tell buffering reverse proxies (nginx) to pass events through at once.
     headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
     Ok(response)
-}
-
-/// Where a stream asked to start after `requested`, beyond the newest
-/// transition the listener has published, starts, and what it sends first.
-///
-/// Usually the listener is just a moment behind the log (the client had the
-/// position from another instance): the stream starts where asked. But a
-/// position the log has not reached means the log is not the one the
-/// client followed (the service restarted on a new throwaway database, or
-/// the database was restored from an older backup). Waiting for the log to
-/// grow past it would silently skip every transition until then, so the
-/// stream starts at the log's end instead and says so first with a `reset`
-/// event whose `id:` is that end (a browser's `EventSource` resumes from it
-/// from then on).
-async fn start_beyond_newest(state: &AppState, requested: i64) -> (i64, Option<Bytes>) {
-    let end = match state.pool.get().await {
-        Ok(client) => crate::db::transition::last_seq(&**client).await,
-        Err(e) => Err(e.into()),
-    };
-    match end {
-        Ok(end) if requested > end => {
-            tracing::info!(
-                requested,
-                end,
-                "an SSE client asked to resume beyond the log; starting at its end"
-            );
-            (end, Some(reset_event(requested, end)))
-        }
-        Ok(_) => (requested, None),
-        Err(e) => {
-            tracing::warn!(error = %e, requested, "cannot read the end of the log; starting where asked");
-            (requested, None)
-        }
-    }
 }
 
 /// `id: END`, `event: reset`, `data: {"reason":..,"requested":..,"resume_after":END}`.
