@@ -414,3 +414,63 @@ async fn post_waits_answers_the_outcome_and_a_disconnect_cancels_it() {
     assert!(bad.json::<serde_json::Value>().await.unwrap()["error"].is_string());
     service.stop().await.unwrap();
 }
+
+/// A `POST /waits` that shutdown ends answers 503 with `Retry-After`,
+/// saying the server is shutting down (not that the database is busy). The
+/// API runs here on a shutdown token cancelled before the request: the
+/// wait is armed, then ended by shutdown, as one in flight would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
+    use std::sync::Arc;
+
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 1).await;
+    let (hub, stop) = db.listener().await;
+    let settings = Arc::new(newsnack::settings::SettingsCache::new(
+        db.pool.clone(),
+        hub.settings_changed(),
+    ));
+    let (_generator, generator) = newsnack::worker::Generator::new(
+        db.pool.clone(),
+        Arc::new(newsnack::writer::OfflineWriter),
+        settings.clone(),
+        hub.settings_changed(),
+        Duration::from_secs(1),
+    );
+    let shutdown = CancellationToken::new();
+    shutdown.cancel();
+    let app = newsnack::http::router(newsnack::http::AppState {
+        pool: db.pool.clone(),
+        hub: hub.clone(),
+        claimer: newsnack::claim::Claimer::start(db.pool.clone(), "waits-shutdown".into(), 1),
+        done: newsnack::done_issues::DoneIssues::follow(&hub, stop.clone()),
+        generator,
+        settings,
+        shutdown,
+        api_token: None,
+        max_backlog: 10,
+    });
+    let socket = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/waits", socket.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(socket, app).await });
+
+    let response = within(
+        30,
+        "POST /waits",
+        reqwest::Client::new()
+            .post(&url)
+            .json(&serde_json::json!({"issue_ids": ids, "timeout_s": 600}))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(response.headers()["retry-after"], "1");
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"error": "the server is shutting down; try again"})
+    );
+    stop.cancel();
+}

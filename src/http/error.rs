@@ -34,6 +34,9 @@ pub enum ApiError {
     /// 503 with `Retry-After`: the database is out of reach or out of
     /// connections.
     Unavailable(String),
+    /// 503 with `Retry-After`: the server is shutting down (another
+    /// instance, or this one restarted, can take the request).
+    ShuttingDown,
     /// 503 with `Retry-After` and this message: this instance has more
     /// work than it takes on.
     Overloaded(String),
@@ -77,6 +80,11 @@ impl IntoResponse for ApiError {
             ApiError::Unavailable(message) => {
                 tracing::warn!(%message, "answering 503");
                 let body = serde_json::json!({ "error": "the database is busy or unreachable; try again" });
+                let retry_after = [(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S))];
+                return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
+            }
+            ApiError::ShuttingDown => {
+                let body = serde_json::json!({ "error": "the server is shutting down; try again" });
                 let retry_after = [(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S))];
                 return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
             }

@@ -30,7 +30,8 @@ pub struct WaitBody {
 /// The smart wait: answers the moment the outcome is decided.
 #[utoipa::path(post, path = "/waits", request_body = WaitBody, tag = "generation",
     responses((status = 200, body = WaitReport), (status = 404, description = "unknown issue ids"),
-              (status = 422, description = "invalid request")))]
+              (status = 422, description = "invalid request"),
+              (status = 503, description = "the server is shutting down, or the database is unavailable; try again")))]
 pub async fn wait_for(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<WaitBody>,
@@ -70,7 +71,7 @@ pub async fn wait_for(
         Err(WaitError::UnknownIds(ids)) => {
             Err(ApiError::NotFound(format!("unknown issue ids: {ids:?}")))
         }
-        Err(WaitError::ShuttingDown) => Err(ApiError::Unavailable("shutting down".into())),
+        Err(WaitError::ShuttingDown) => Err(ApiError::ShuttingDown),
         Err(WaitError::Db(e)) => Err(e.into()),
         Err(e) => Err(ApiError::Internal(e.to_string())),
     }
