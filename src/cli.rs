@@ -106,8 +106,9 @@ pub struct ServeArgs {
     /// before they are released as FAILED (reason `shutdown`).
     #[arg(long, env = "NEWSNACK_SHUTDOWN_GRACE_S", default_value_t = 10)]
     pub grace_s: u64,
-    /// Bearer token every non-GET API request must carry
-    /// (`Authorization: Bearer <token>`); unset or empty: no token needed.
+    /// Bearer token every API request other than GET, HEAD and OPTIONS
+    /// must carry (`Authorization: Bearer <token>`); printable ASCII.
+    /// Unset or empty: no token needed.
     #[arg(long, env = "NEWSNACK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
     /// Claimed issues this instance may hold unfinished before

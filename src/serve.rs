@@ -64,6 +64,8 @@ pub enum ServeError {
     },
     #[error("HTTP server failed: {0}")]
     Http(std::io::Error),
+    #[error(transparent)]
+    Token(#[from] http::auth::UnusableToken),
 }
 
 /// A started service.
@@ -255,6 +257,7 @@ pub async fn start(
     options: ServeOptions,
     writer: SharedWriter,
 ) -> Result<RunningService, ServeError> {
+    http::auth::check_configurable(options.api_token.as_deref())?;
     let shutdown = CancellationToken::new();
     let (database_url, embedded) = database(options.database_url.as_deref()).await?;
     let mut core = Core::start(

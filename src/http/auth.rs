@@ -10,6 +10,11 @@
 //! The comparison is constant-time over SHA-256 digests of the expected and
 //! the presented token, so neither the token's content nor its length can
 //! be learnt from response timing.
+//!
+//! A token must be printable ASCII: a header value the server reads as
+//! text carries nothing else, so any other token could never be presented
+//! and every write would be refused. `serve` refuses such a token at
+//! start-up ([`check_configurable`]).
 
 use std::sync::Arc;
 
@@ -32,6 +37,25 @@ pub enum AuthError {
     Malformed,
     #[error("wrong bearer token")]
     Wrong,
+}
+
+/// A configured token no request could ever present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "NEWSNACK_API_TOKEN (--api-token) must be printable ASCII: it contains a character \
+     an Authorization header cannot carry, so every write would be refused"
+)]
+pub struct UnusableToken;
+
+/// Checks a token to configure: one with a character outside printable
+/// ASCII (space and tab allowed inside) could never match a request.
+/// `None` or blank (no authentication) is fine.
+pub fn check_configurable(token: Option<&str>) -> Result<(), UnusableToken> {
+    let presentable = |b: u8| b == b'\t' || (b' '..=b'~').contains(&b);
+    match token.map(str::trim) {
+        Some(t) if !t.bytes().all(presentable) => Err(UnusableToken),
+        _ => Ok(()),
+    }
 }
 
 /// The configured token, kept only as its digest. Cheap to clone.
@@ -162,6 +186,32 @@ mod tests {
             token.check(&headers(Some("s3cret"))),
             Err(AuthError::Malformed)
         );
+    }
+
+    /// A token is usable exactly when a request can present it: printable
+    /// ASCII, with spaces or tabs inside.
+    #[test]
+    fn only_tokens_a_header_can_carry_are_configurable() {
+        for usable in [
+            None,
+            Some(""),
+            Some("s3cret"),
+            Some("a b\tc~!"),
+            Some(" padded \n"),
+        ] {
+            assert_eq!(check_configurable(usable), Ok(()), "{usable:?}");
+            if let Some(token) = usable.map(str::trim).filter(|t| !t.is_empty()) {
+                let header = format!("Bearer {token}");
+                assert_eq!(ApiToken::new(usable).check(&headers(Some(&header))), Ok(()));
+            }
+        }
+        for unusable in ["tökén", "naïve", "a\u{7f}b", "a\rb", "🔑"] {
+            assert_eq!(
+                check_configurable(Some(unusable)),
+                Err(UnusableToken),
+                "{unusable:?}"
+            );
+        }
     }
 
     #[test]
