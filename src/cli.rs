@@ -36,7 +36,9 @@ pub struct Cli {
 pub enum Command {
     /// The whole product in one command on a throwaway database and the
     /// built-in writer: sample issues, one pipeline run with live
-    /// transitions, the smart-wait outcome and the briefing.
+    /// transitions, the smart-wait outcome and the briefing. With
+    /// DATABASE_URL, the throwaway database is created on that server (the
+    /// database named there is left untouched) and dropped at the end.
     Demo,
     /// Run the service: HTTP API, listener, generation workers, retries,
     /// lease reaper. Without DATABASE_URL, on a throwaway embedded cluster.
@@ -197,7 +199,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Serve(args) => serve(url, args).await,
         Command::Demo => {
-            crate::demo::run()
+            crate::demo::run(url.as_deref().filter(|u| !u.trim().is_empty()))
                 .await
                 .map_err(|e| CliError::Failed(e.to_string()))?;
             Ok(ExitCode::SUCCESS)

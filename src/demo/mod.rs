@@ -1,9 +1,11 @@
 //! `newsnack demo`: the whole product in one command, with no
-//! configuration. Starts a throwaway PostgreSQL, loads a shipped set of
-//! sample issues, and runs one pipeline with the built-in writer while the
-//! transitions scroll by: claim → generate (two articles fail once, so a
-//! retry is visible) → smart wait → briefing. Then it stops everything it
-//! started.
+//! configuration. Starts a throwaway PostgreSQL (or, with `DATABASE_URL`,
+//! creates a throwaway database on that server, leaving the database named
+//! there untouched), loads a shipped set of sample issues, and runs one
+//! pipeline with the built-in writer while the transitions scroll by:
+//! claim → generate (two articles fail once, so a retry is visible) →
+//! smart wait → briefing. Then it stops everything it started and removes
+//! the throwaway cluster or database.
 
 use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
@@ -16,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api_types::NewIssueJson;
 use crate::db::issue::NewIssue;
 use crate::db::{self, DbError};
+use crate::embedded::EmbeddedPostgres;
 use crate::pipeline::{PipelineError, Trigger};
 use crate::serve::{self, Core, ServeError};
 use crate::tail::{self, TailStyle};
@@ -32,6 +35,12 @@ pub enum DemoError {
     Db(#[from] DbError),
     #[error("the demo's pipeline run could not start: {0}")]
     Pipeline(String),
+    #[error(
+        "the demo runs in a throwaway database of its own and could not create one on \
+         DATABASE_URL's server ({0}); use a role that may create databases, or unset \
+         DATABASE_URL for a throwaway cluster"
+    )]
+    CannotCreate(String),
 }
 
 /// The offline writer with model-like latency, failing the first attempt
@@ -65,8 +74,12 @@ impl Writer for DemoWriter {
     }
 }
 
-/// Runs the demo; returns when everything it started has stopped.
-pub async fn run() -> Result<(), DemoError> {
+/// Runs the demo; returns when everything it started has stopped. Without
+/// `database_url`, on a throwaway cluster of its own; with one, in a
+/// throwaway database it creates on that server, so that nothing in the
+/// database named there (its issues, settings, briefings, runs) is
+/// touched. Either is removed when the demo ends, on error and Ctrl-C too.
+pub async fn run(database_url: Option<&str>) -> Result<(), DemoError> {
     let out = &mut std::io::stdout();
     let style = if out.is_terminal() {
         TailStyle::Color
@@ -77,23 +90,148 @@ pub async fn run() -> Result<(), DemoError> {
     // let it be stopped and deleted.
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
-    say(
-        out,
-        "newsnack demo: starting a throwaway PostgreSQL (nothing to configure)…",
-    );
-    let (url, cluster) = serve::database(None).await?;
+    let (url, place) = match database_url {
+        None => {
+            say(
+                out,
+                "newsnack demo: starting a throwaway PostgreSQL (nothing to configure)…",
+            );
+            let (url, cluster) = serve::database(None).await?;
+            (url, Place::Cluster(cluster))
+        }
+        Some(server) => {
+            say(
+                out,
+                "newsnack demo: creating a throwaway database on DATABASE_URL's server…",
+            );
+            Place::create_database(server).await?
+        }
+    };
     if shutdown.is_cancelled() {
-        remove(cluster).await;
-        say(
-            out,
-            "Interrupted: the throwaway database is stopped and deleted.",
-        );
+        let gone = place.remove().await;
+        say(out, &format!("Interrupted: {gone}."));
         return Ok(());
     }
-    say(out, &format!("  database: {url}"));
+    say(out, &format!("  database: {}", place.describe(&url)));
+    let result = show(&url, style, &shutdown).await;
+    let gone = place.remove().await;
+    let end = if result.is_ok() { "Done" } else { "Stopped" };
+    say(out, &format!("\n{end}: {gone}."));
+    result
+}
 
+/// Where the demo runs; [`Place::remove`] takes it away again.
+enum Place {
+    /// A throwaway cluster of its own.
+    Cluster(Option<EmbeddedPostgres>),
+    /// A throwaway database `name` it created on the server of `server`
+    /// (DATABASE_URL).
+    Database { server: String, name: String },
+}
+
+impl Place {
+    /// Creates a database of the demo's own on the server of `server_url`;
+    /// returns the URL of that database.
+    async fn create_database(server_url: &str) -> Result<(String, Place), DemoError> {
+        let config = db::pg_config(server_url, "newsnack-demo")?;
+        let admin = db::connect(&config).await?;
+        let name = format!(
+            "newsnack_demo_{}_{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .map_err(|e| DemoError::CannotCreate(DbError::from(e).to_string()))?;
+        let url = with_database(server_url, &name);
+        // The URL must name the new database, or the demo would run in the
+        // one DATABASE_URL names.
+        let place = Place::Database {
+            server: server_url.to_string(),
+            name: name.clone(),
+        };
+        match db::pg_config(&url, "newsnack-demo").map(|c| c.get_dbname() == Some(&name)) {
+            Ok(true) => Ok((url, place)),
+            _ => {
+                place.remove().await;
+                Err(DemoError::CannotCreate(
+                    "cannot address a new database through DATABASE_URL".into(),
+                ))
+            }
+        }
+    }
+
+    /// What to print as "database:" (never a password).
+    fn describe(&self, url: &str) -> String {
+        match self {
+            Place::Cluster(_) => url.to_string(),
+            Place::Database { server, name } => {
+                let at = db::pg_config(server, "newsnack-demo")
+                    .ok()
+                    .and_then(|c| {
+                        let host = match c.get_hosts().first()? {
+                            tokio_postgres::config::Host::Tcp(host) => host.clone(),
+                            tokio_postgres::config::Host::Unix(dir) => dir.display().to_string(),
+                        };
+                        let port = c.get_ports().first().copied().unwrap_or(5432);
+                        Some(format!("{host}:{port}"))
+                    })
+                    .unwrap_or_else(|| "DATABASE_URL's server".into());
+                format!("{name} on {at} (throwaway, from DATABASE_URL; dropped on exit)")
+            }
+        }
+    }
+
+    /// Stops and deletes the cluster, or drops the database; says what
+    /// became of it.
+    async fn remove(self) -> String {
+        match self {
+            Place::Cluster(cluster) => {
+                tokio::task::spawn_blocking(move || drop(cluster))
+                    .await
+                    .ok();
+                "the throwaway database is stopped and deleted".into()
+            }
+            Place::Database { server, name } => {
+                let dropped = async {
+                    let admin = db::connect(&db::pg_config(&server, "newsnack-demo")?).await?;
+                    // FORCE: a session the demo left behind (an error
+                    // path) must not keep the database alive.
+                    admin
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .await
+                        .map_err(DbError::from)
+                };
+                match dropped.await {
+                    Ok(()) => format!("the throwaway database {name} is dropped"),
+                    Err(e) => format!(
+                        "the throwaway database {name} could not be dropped ({e}); drop it with `DROP DATABASE {name}`"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+/// `url` (DATABASE_URL) with its database replaced by `name`: a later
+/// `dbname` wins, in a URL's parameters as in `key=value` form.
+fn with_database(url: &str, name: &str) -> String {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let joint = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{joint}dbname={name}")
+    } else {
+        format!("{url} dbname={name}")
+    }
+}
+
+/// The demo itself, on the database at `url`: sample issues, one pipeline
+/// run with its transitions printed as they commit, the outcome and the
+/// briefing.
+async fn show(url: &str, style: TailStyle, shutdown: &CancellationToken) -> Result<(), DemoError> {
+    let out = &mut std::io::stdout();
     // Load the samples first, so the writer knows which ids to trip up.
-    let config = db::pg_config(&url, "newsnack-demo")?;
+    let config = db::pg_config(url, "newsnack-demo")?;
     let mut setup = db::connect(&config).await?;
     db::migrate::migrate(&mut setup).await?;
     drop(setup);
@@ -122,16 +260,29 @@ pub async fn run() -> Result<(), DemoError> {
         fail_once: Mutex::new([ids[1], ids[3]].into_iter().collect()),
     });
     let core = Core::start(
-        &url,
+        url,
         "demo",
         8,
         writer,
         Duration::from_secs(5),
         crate::retry::RetryScope::everything(),
-        &shutdown,
+        shutdown,
     )
     .await?;
+    let result = narrate(&core, style, shutdown).await;
+    shutdown.cancel();
+    core.stopped().await;
+    result
+}
 
+/// Runs the pipeline once while printing the transitions, then the outcome
+/// and the briefing.
+async fn narrate(
+    core: &Core,
+    style: TailStyle,
+    shutdown: &CancellationToken,
+) -> Result<(), DemoError> {
+    let out = &mut std::io::stdout();
     say(
         out,
         "\nTransitions as they commit (from the database's NOTIFY):",
@@ -158,8 +309,10 @@ pub async fn run() -> Result<(), DemoError> {
             }
         })
     };
+    // The printer stops on every way out of here.
+    let _stop_printer = printer_stop.clone().drop_guard();
 
-    let result = core.pipeline().run_locked(Trigger::Manual, &shutdown).await;
+    let result = core.pipeline().run_locked(Trigger::Manual, shutdown).await;
     // Let the printer catch up with the log before summarising.
     let last = db::transition::last_seq(&**core.pool.get().await.map_err(DbError::from)?).await?;
     let _ = tokio::time::timeout(Duration::from_secs(2), printed.wait_for(|&p| p >= last)).await;
@@ -197,24 +350,33 @@ pub async fn run() -> Result<(), DemoError> {
     } else {
         say(out, "No briefing was published (skip).");
     }
-    shutdown.cancel();
-    core.stopped().await;
-    remove(cluster).await;
-    say(
-        out,
-        "\nDone: the throwaway database is stopped and deleted.",
-    );
     Ok(())
-}
-
-/// Stops and deletes the throwaway cluster (blocking work, off the runtime).
-async fn remove(cluster: Option<crate::embedded::EmbeddedPostgres>) {
-    tokio::task::spawn_blocking(move || drop(cluster))
-        .await
-        .ok();
 }
 
 fn say(out: &mut impl Write, line: &str) {
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only the database changes: the server, role and options stay.
+    #[test]
+    fn the_throwaway_database_replaces_the_one_database_url_names() {
+        for url in [
+            "postgres://me:pw@db:5433/prod",
+            "postgresql://me@db:5433/prod?sslmode=disable&dbname=prod",
+            "host=db port=5433 user=me dbname=prod",
+        ] {
+            let config = db::pg_config(&with_database(url, "newsnack_demo_1"), "t").unwrap();
+            assert_eq!(config.get_dbname(), Some("newsnack_demo_1"), "{url}");
+            assert_eq!(
+                (config.get_user(), config.get_ports()),
+                (Some("me"), &[5433][..]),
+                "{url}"
+            );
+        }
+    }
 }
