@@ -87,8 +87,18 @@ pub struct RetryScheduler {
 
 struct State {
     machines: HashMap<i64, IssueMachine>,
-    timers: DelayQueue<i64>,
+    timers: DelayQueue<(i64, Due)>,
     pending: HashMap<i64, delay_queue::Key>,
+}
+
+/// What an issue's timer does when it fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Due {
+    /// Its backoff is over: claim the retry.
+    Retry,
+    /// Its retry state could not be read: read it again (and only then
+    /// arm the backoff), rather than claim before the backoff is known.
+    Recheck,
 }
 
 impl RetryScheduler {
@@ -137,9 +147,17 @@ impl RetryScheduler {
                     }
                 },
                 Some(expired) = state.timers.next(), if !state.timers.is_empty() => {
-                    let id = expired.into_inner();
+                    let (id, due) = expired.into_inner();
                     state.pending.remove(&id);
-                    self.retry(&mut state, id).await;
+                    match due {
+                        Due::Retry => self.retry(&mut state, id).await,
+                        Due::Recheck => {
+                            self.schedule(&mut state, id).await;
+                            if !state.pending.contains_key(&id) {
+                                state.machines.remove(&id);
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -229,7 +247,7 @@ impl RetryScheduler {
             Ok(v) => v,
             Err(e) => {
                 tracing::warn!(issue = id, error = %e, retry_in = ?RECHECK_AFTER_ERROR, "cannot read the issue's retry state; will look again");
-                self.arm(state, id, RECHECK_AFTER_ERROR);
+                self.arm(state, id, RECHECK_AFTER_ERROR, Due::Recheck);
                 return;
             }
         };
@@ -257,18 +275,18 @@ impl RetryScheduler {
             ?delay,
             "retry scheduled"
         );
-        self.arm(state, id, delay);
+        self.arm(state, id, delay, Due::Retry);
     }
 
     /// (Re)sets the issue's retry timer. A far-off `Retry-After` (or a
     /// `retry_not_before` written by hand) waits at most [`MAX_TIMER`] at a
     /// time: the claim then finds the issue not yet due and it is scheduled
     /// again.
-    fn arm(&self, state: &mut State, id: i64, delay: Duration) {
+    fn arm(&self, state: &mut State, id: i64, delay: Duration, due: Due) {
         if let Some(key) = state.pending.remove(&id) {
             state.timers.remove(&key);
         }
-        let key = state.timers.insert(id, delay.min(MAX_TIMER));
+        let key = state.timers.insert((id, due), delay.min(MAX_TIMER));
         state.pending.insert(id, key);
         state
             .machines
