@@ -1,6 +1,6 @@
 //! The daily pipeline and its scheduler.
 //!
-//! One run is the seed's DAG: `select_target_issues` (the `top_k` hottest
+//! One run is the original DAG's steps: `select_target_issues` (the `top_k` hottest
 //! issues collected within `lookback_hours` that are not `DONE`) →
 //! `check_generation_needed` (claim the `PENDING`/`FAILED` ones; those in
 //! progress elsewhere are simply waited for) → generate → smart wait →
