@@ -417,14 +417,7 @@ async fn a_batch_that_gets_no_connection_is_answered_at_once() {
     let db = TestDb::new().await;
     let ids = db.add_issues(20).await;
     let timeout = Duration::from_secs(5);
-    let pool = newsnack::db::pool(
-        db.config.clone(),
-        &newsnack::db::PoolOptions {
-            max_size: 1,
-            wait_timeout: timeout,
-        },
-    )
-    .unwrap();
+    let pool = db.pool_of_one(timeout);
     let busy = pool.get().await.unwrap();
     let claimer = newsnack::claim::Claimer::start(pool.clone(), "starved".into(), 1);
 
@@ -465,14 +458,7 @@ async fn a_claim_nobody_waits_for_any_more_is_released() {
     let db = TestDb::new().await;
     let id = db.add_issues(1).await[0];
     let (hub, _listening) = db.listener().await;
-    let pool = newsnack::db::pool(
-        db.config.clone(),
-        &newsnack::db::PoolOptions {
-            max_size: 1,
-            wait_timeout: Duration::from_secs(60),
-        },
-    )
-    .unwrap();
+    let pool = db.pool_of_one(Duration::from_secs(60));
     let busy = pool.get().await.unwrap();
     let claimer = newsnack::claim::Claimer::start(pool.clone(), "forgetful".into(), 1);
     let mut claim = Box::pin(claimer.claim(vec![id], LEASE, ClaimScope::Claimable));

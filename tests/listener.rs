@@ -114,14 +114,7 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
 #[tokio::test]
 async fn settings_reads_wait_for_the_pool_side_by_side() {
     let db = TestDb::new().await;
-    let pool = newsnack::db::pool(
-        db.config.clone(),
-        &newsnack::db::PoolOptions {
-            max_size: 1,
-            wait_timeout: Duration::from_secs(60),
-        },
-    )
-    .unwrap();
+    let pool = db.pool_of_one(Duration::from_secs(60));
     let (announce, changes) = tokio::sync::watch::channel(0u64);
     let cache = std::sync::Arc::new(SettingsCache::new(pool.clone(), changes));
     cache.get().await.unwrap();

@@ -69,14 +69,7 @@ async fn a_failed_log_read_does_not_end_a_wait() {
     let db = TestDb::new().await;
     let sql = db.raw().await;
     let ids = in_progress(&db, &sql, 3).await;
-    let pool = newsnack::db::pool(
-        db.config.clone(),
-        &newsnack::db::PoolOptions {
-            max_size: 1,
-            wait_timeout: Duration::from_millis(100),
-        },
-    )
-    .unwrap();
+    let pool = db.pool_of_one(Duration::from_millis(100));
     let stop = CancellationToken::new();
     let (hub, _task) = newsnack::listener::Listener::start(
         db.config.clone(),

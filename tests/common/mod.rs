@@ -177,6 +177,19 @@ impl TestDb {
         }
     }
 
+    /// A pool of one session to this database, whose borrowers wait at most
+    /// `wait_timeout` for it: to hold it busy and see who waits.
+    pub fn pool_of_one(&self, wait_timeout: Duration) -> newsnack::db::DbPool {
+        newsnack::db::pool(
+            self.config.clone(),
+            &newsnack::db::PoolOptions {
+                max_size: 1,
+                wait_timeout,
+            },
+        )
+        .unwrap()
+    }
+
     /// A plain connection of its own, outside the pool: "another system".
     pub async fn raw(&self) -> Client {
         let mut config = self.config.clone();
