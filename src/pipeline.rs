@@ -595,7 +595,8 @@ async fn retake(config: &tokio_postgres::Config, instance: &str) -> Option<Advis
 /// unchanged, even if it has just passed (a change announced shortly before
 /// it, a listener reconnect say, and a slow re-read of the settings must
 /// not lose it: it runs at once, and the one-run-per-tick record keeps it to
-/// one run); otherwise the schedule's first tick after `now`.
+/// one run) and at most [`ARMED_TICK_GRACE`] ago; otherwise the schedule's
+/// first tick after `now`.
 fn tick_to_arm(
     armed: Option<&(String, OffsetDateTime)>,
     schedule_text: &str,
@@ -603,10 +604,18 @@ fn tick_to_arm(
     now: OffsetDateTime,
 ) -> Option<OffsetDateTime> {
     match armed {
-        Some((armed_text, tick)) if armed_text == schedule_text => Some(*tick),
+        Some((armed_text, tick))
+            if armed_text == schedule_text && now - *tick < ARMED_TICK_GRACE =>
+        {
+            Some(*tick)
+        }
         _ => schedule.next_tick(now),
     }
 }
+
+/// How late an armed tick may still run (after a long database outage, the
+/// next tick is the one that counts).
+const ARMED_TICK_GRACE: time::Duration = time::Duration::minutes(1);
 
 /// How soon the scheduler reads its settings again after a failed read.
 const SETTINGS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
@@ -704,6 +713,13 @@ mod tests {
         assert_eq!(
             tick_to_arm(Some(&armed), "0 * * * *", &hourly, after),
             Some(datetime!(2026-11-30 07:00:00 UTC))
+        );
+        // Armed long ago (a day-long outage of the settings reads): the
+        // next tick counts, not a run many hours late.
+        let next_day = datetime!(2026-12-01 05:00:00 UTC);
+        assert_eq!(
+            tick_to_arm(Some(&armed), text, &schedule, next_day),
+            Some(datetime!(2026-12-01 06:00:00 UTC))
         );
         // Nothing armed: the next tick after now.
         assert_eq!(

@@ -220,6 +220,10 @@ async fn an_interrupted_demo_drops_its_throwaway_database() {
     let rest: Vec<String> = tokio::task::block_in_place(|| lines.map_while(Result::ok).collect());
     let status = tokio::task::block_in_place(|| child.wait()).unwrap();
     assert!(
+        !rest.iter().any(|l| l.contains("── briefing #")),
+        "the demo finished before the signal, so this shows nothing: {rest:?}"
+    );
+    assert!(
         rest.iter()
             .any(|l| l.contains(&format!("the throwaway database {name} is dropped"))),
         "{status:?}: {rest:?}"

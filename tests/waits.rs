@@ -200,16 +200,43 @@ async fn a_lock_on_the_table_cannot_hold_a_wait_past_its_timeout() {
         "{:?}",
         armed.err()
     );
-    let queued: i64 = sql
-        .query_one(
+    let queued = || async {
+        sql.query_one(
             "SELECT count(*) FROM pg_stat_activity
               WHERE datname = current_database() AND wait_event_type = 'Lock'",
             &[],
         )
         .await
         .unwrap()
-        .get(0);
-    assert_eq!(queued, 0, "a cancelled read still waits on the lock");
+        .get::<_, i64>(0)
+    };
+    // The lock is still held: only a cancel ends the read's statement.
+    within(20, "the timed-out read to be cancelled", async {
+        while queued().await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // A caller that stops waiting (a client hanging up) mid-read leaves
+    // nothing queued either, once the read's limit passes.
+    let abandoned = tokio::spawn({
+        let hub = hub.clone();
+        let ids = ids.clone();
+        async move { ArmedWait::arm(&hub, request(&ids, Duration::from_secs(1), 1)).await }
+    });
+    within(20, "the second read to queue behind the lock", async {
+        while queued().await == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    abandoned.abort();
+    within(20, "the abandoned read to be cancelled", async {
+        while queued().await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     locker.batch_execute("COMMIT").await.unwrap();
     // The pool's sessions still answer.
     set_status(&sql, ids[0], "DONE").await;

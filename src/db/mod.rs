@@ -82,7 +82,7 @@ impl DbError {
             DbError::Pool(deadpool_postgres::PoolError::Timeout(_)) => true,
             DbError::Pool(deadpool_postgres::PoolError::Backend(e)) => server_says_transient(e),
             DbError::Postgres(e) => server_says_transient(e),
-            DbError::RowLocked(_) => true,
+            DbError::RowLocked(_) | DbError::TimedOut(_) => true,
             _ => false,
         }
     }
@@ -219,31 +219,44 @@ pub fn pool(mut config: tokio_postgres::Config, options: &PoolOptions) -> Result
 /// wait for a free session included, with [`DbError::TimedOut`]. For reads
 /// that must not outlast a deadline, e.g. behind a lock another session
 /// holds on the table. A statement still running at the limit is cancelled
-/// on the server and awaited (for at most `limit` again), so the session
-/// goes back to the pool idle; one that will not end is closed instead, so
-/// no later borrower queues behind it.
-pub async fn bounded<T>(
+/// on the server, and its session is taken out of the pool for good (it
+/// closes once the statement ends), so neither the statement nor a cancel
+/// arriving late can reach a later borrower. The work runs as a task of its
+/// own: a caller that stops waiting (a client that hangs up) leaves it to
+/// finish the same way.
+pub async fn bounded<T: Send + 'static>(
     pool: &DbPool,
     limit: Duration,
-    query: impl for<'c> FnOnce(&'c deadpool_postgres::Client) -> BoxFuture<'c, Result<T, DbError>>,
+    query: impl for<'c> FnOnce(&'c deadpool_postgres::Client) -> BoxFuture<'c, Result<T, DbError>>
+        + Send
+        + 'static,
 ) -> Result<T, DbError> {
-    let deadline = tokio::time::Instant::now() + limit;
-    let client = tokio::time::timeout_at(deadline, pool.get())
-        .await
-        .map_err(|_| DbError::TimedOut(limit))??;
-    let cancel = client.cancel_token();
-    let ended = {
-        let mut running = query(&client);
-        if let Ok(answer) = tokio::time::timeout_at(deadline, &mut running).await {
+    let pool = pool.clone();
+    let work = tokio::spawn(async move {
+        let deadline = tokio::time::Instant::now() + limit;
+        let client = tokio::time::timeout_at(deadline, pool.get())
+            .await
+            .map_err(|_| DbError::TimedOut(limit))??;
+        if let Ok(answer) = tokio::time::timeout_at(deadline, query(&client)).await {
             return answer;
         }
-        let _ = tokio::time::timeout(limit, cancel.cancel_query(NoTls)).await;
-        tokio::time::timeout(limit, running).await.is_ok()
-    };
-    if !ended {
+        let cancel = client.cancel_token();
         drop(deadpool_postgres::Object::take(client));
+        tokio::spawn(async move {
+            let error = match tokio::time::timeout(limit, cancel.cancel_query(NoTls)).await {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "no answer".to_string(),
+            };
+            tracing::warn!(%error, "could not cancel a statement that ran past its limit");
+        });
+        Err(DbError::TimedOut(limit))
+    });
+    match work.await {
+        Ok(answer) => answer,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(DbError::TimedOut(limit)),
     }
-    Err(DbError::TimedOut(limit))
 }
 
 /// Opens one connection outside any pool and drives it in the background.
