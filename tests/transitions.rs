@@ -184,6 +184,64 @@ async fn illegal_raw_sql_is_rejected_and_changes_nothing() {
     assert!(err.as_db_error().is_some());
 }
 
+/// Every other date or time the service reads back must be one it can
+/// represent, from any writer (migration 13); nothing changes when refused.
+#[tokio::test]
+async fn dates_the_service_cannot_read_are_refused_everywhere_from_raw_sql() {
+    let db = TestDb::new().await;
+    let other = db.raw().await;
+    let id = db.add_issues(1).await[0];
+    let seq = db
+        .scalar_i64(&format!(
+            "SELECT max(seq) FROM issue_transition WHERE issue_id = {id}"
+        ))
+        .await;
+    let writes = [
+        (
+            format!("UPDATE issue SET updated_at = $1::text::timestamptz WHERE id = {id}"),
+            "issue_updated_at_in_range",
+        ),
+        (
+            format!("UPDATE issue_transition SET at = $1::text::timestamptz WHERE seq = {seq}"),
+            "issue_transition_at_in_range",
+        ),
+        (
+            format!(
+                "INSERT INTO briefing (title, briefing_date, issue_ids, body, created_at)
+                 VALUES ('t', '2026-01-01', ARRAY[{id}::bigint], 'b', $1::text::timestamptz)"
+            ),
+            "briefing_created_at_in_range",
+        ),
+        (
+            "INSERT INTO pipeline_run (trigger, instance, started_at)
+             VALUES ('manual', 'elsewhere', $1::text::timestamptz)"
+                .into(),
+            "pipeline_run_times_in_range",
+        ),
+        (
+            "INSERT INTO pipeline_run (trigger, instance, tick)
+             VALUES ('schedule', 'elsewhere', $1::text::timestamptz)"
+                .into(),
+            "pipeline_run_times_in_range",
+        ),
+    ];
+    let snapshot = "SELECT (SELECT count(*) FROM briefing) + (SELECT count(*) FROM pipeline_run)
+                         + (SELECT count(*) FROM issue WHERE isfinite(updated_at))
+                         + (SELECT count(*) FROM issue_transition WHERE isfinite(at))";
+    let before = db.scalar_i64(snapshot).await;
+    for (write, constraint) in &writes {
+        for at in ["infinity", "-infinity", "10000-01-01 00:00:00+00"] {
+            let err = other.execute(write.as_str(), &[&at]).await.unwrap_err();
+            assert_eq!(
+                err.as_db_error().and_then(|e| e.constraint()),
+                Some(*constraint),
+                "{write} with {at}: {err}"
+            );
+        }
+    }
+    assert_eq!(db.scalar_i64(snapshot).await, before);
+}
+
 /// Any writer's `collected_at` must be one the service can read back
 /// (migration 8): `infinity` or the year 10000 would make every read of
 /// the issue fail.

@@ -75,6 +75,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "issue removal notice",
         sql: include_str!("../../sql/0012_issue_removal_notice.sql"),
     },
+    Migration {
+        version: 13,
+        name: "readable timestamps",
+        sql: include_str!("../../sql/0013_readable_timestamps.sql"),
+    },
 ];
 
 /// What a migration run did.
