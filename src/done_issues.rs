@@ -17,10 +17,16 @@
 //! removal was noticed since the request looked at the set (the epoch
 //! [`DoneIssues::split`] returns): its snapshot may predate the removal.
 //!
+//! A removal is announced when its statement runs, but the transitions of
+//! its transaction only at commit, so an issue finished, removed and
+//! inserted again under its id in one transaction is heard of as removed,
+//! then `DONE`, then new. A new issue's first transition (no `from`)
+//! therefore also forgets its id.
+//!
 //! The set is a compressed bitmap (ids are mostly dense runs), bounded by
 //! [`MAX_IDS`]: past it, it starts over. Forgetting costs a database round
-//! trip, never a wrong answer. A subscriber that falls behind the hub just
-//! learns less.
+//! trip, never a wrong answer; so a follower that falls behind the hub,
+//! and may have missed a new issue, starts over too.
 
 use std::sync::{Arc, Mutex};
 
@@ -68,6 +74,12 @@ impl Known {
         self
     }
 
+    fn remove(&mut self, id: i64) {
+        if let Ok(id) = u64::try_from(id) {
+            self.ids.remove(id);
+        }
+    }
+
     fn insert(&mut self, id: i64) {
         let Ok(id) = u64::try_from(id) else { return };
         if self.ids.len() >= MAX_IDS {
@@ -102,15 +114,18 @@ impl DoneIssues {
                     _ = stop.cancelled() => return,
                     next = transitions.recv() => next,
                 };
+                let mut known = set.known.lock().expect("never poisoned");
+                let known = known.current();
                 match next {
-                    Ok(t) if t.to == Status::Done => {
-                        let mut known = set.known.lock().expect("never poisoned");
-                        let known = known.current();
-                        if t.seq > known.stale_up_to {
-                            known.insert(t.issue_id);
-                        }
+                    Ok(t) if t.to == Status::Done && t.seq > known.stale_up_to => {
+                        known.insert(t.issue_id);
                     }
-                    Ok(_) | Err(RecvError::Lagged(_)) => {}
+                    // A new issue under a known id: its removal was
+                    // announced before a `DONE` of the same transaction.
+                    Ok(t) if t.from.is_none() => known.remove(t.issue_id),
+                    Ok(_) => {}
+                    // What was skipped may have been such an arrival.
+                    Err(RecvError::Lagged(_)) => known.ids.clear(),
                     Err(RecvError::Closed) => return,
                 }
             }

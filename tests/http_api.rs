@@ -1507,6 +1507,40 @@ async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
     service.stop().await.unwrap();
 }
 
+/// A transaction that finishes an issue, removes it and inserts a new one
+/// under its id: the removal is announced at once, the transitions at
+/// commit, so the service hears of the `DONE` after the removal. The new
+/// issue's arrival makes it forget the id all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_finished_removed_and_reused_in_one_transaction_is_claimable() {
+    let db = TestDb::new().await;
+    let service = db.serve("reuse", offline()).await;
+    let url = format!("http://{}/ai-articles", service.addr);
+    let http = reqwest::Client::new();
+    let id = db.add_issues(1).await[0];
+    let sql = db.raw().await;
+    sql.batch_execute(&format!(
+        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = {id};
+         BEGIN;
+         UPDATE issue SET processing_status = 'DONE' WHERE id = {id};
+         DELETE FROM issue WHERE id = {id};
+         INSERT INTO issue (id, title) VALUES ({id}, 'the same id, a new issue');
+         COMMIT;"
+    ))
+    .await
+    .unwrap();
+    let last = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
+    within(10, "the service to hear of the new issue", async {
+        let mut published = service.hub.status();
+        published.wait_for(|s| s.last_seq >= last).await.unwrap();
+    })
+    .await;
+    let (status, answer) = post_issue_ids(&http, &url, vec![id]).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert_eq!(answer["claimed"], json!([id]));
+    service.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issues_claimed_for_a_client_that_hung_up_are_still_generated() {
     let db = TestDb::new().await;
