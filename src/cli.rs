@@ -321,9 +321,15 @@ async fn tail(url: &str, args: TailArgs) -> Result<ExitCode, CliError> {
             continue;
         }
         let line = tail::render(&t, style);
-        if writeln!(out, "{line}").and_then(|_| out.flush()).is_err() {
+        match writeln!(out, "{line}").and_then(|_| out.flush()) {
+            Ok(()) => {}
             // The reader went away (e.g. `| head`): that is a normal end.
-            return Ok(ExitCode::SUCCESS);
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(ExitCode::SUCCESS),
+            Err(e) => {
+                return Err(CliError::Failed(format!(
+                    "cannot write to standard output: {e}"
+                )))
+            }
         }
     }
 }

@@ -344,6 +344,33 @@ async fn tail_json_replays_history_and_follows_live_one_object_per_line() {
     assert!(status.success(), "{status:?}");
 }
 
+/// Output that cannot be written (a full disk) is a failure, not the
+/// normal end that a reader going away is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_that_cannot_write_its_output_fails() {
+    let db = TestDb::new().await;
+    db.add_issues(1).await;
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
+        .args(["tail", "--json", "--since", "0"])
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "error")
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = tokio::task::block_in_place(|| tail.wait_with_output().unwrap());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot write to standard output"),
+        "{stderr}"
+    );
+}
+
 /// `--since` beyond the log's end (a database restored from an older
 /// backup, or a new one) is not waited for in silence: the tail says so on
 /// stderr and follows from the log's end, as `GET /events` does.
