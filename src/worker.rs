@@ -377,7 +377,7 @@ async fn generate(
     let _in_flight = crate::metrics::generation_started();
     let lease = match settings.get().await {
         Ok(s) => s.lease(),
-        Err(_) => Duration::from_secs(60),
+        Err(_) => claimed.lease,
     };
     let answered = AtomicBool::new(false);
     let work = async {
@@ -606,18 +606,22 @@ async fn record_together(
     issue::complete(&client, completions, writer).await
 }
 
-/// Extends the lease every third of its length; returns when the claim is
-/// no longer current. A failed beat (a database hiccup) is tried again
-/// soon, from a quarter of a second doubling up to the usual interval, so a
-/// short outage does not let a healthy generation's lease run out.
+/// Extends the lease to `lease` every third of its length; returns when
+/// the claim is no longer current. The first beat comes within a third of
+/// the shorter of `lease` and the lease the claim was taken with: `lease_s`
+/// may have grown since the claim, which must not run out before its
+/// first beat. A failed beat (a database hiccup) is tried again soon, from
+/// a quarter of a second doubling up to the usual interval, so a short
+/// outage does not let a healthy generation's lease run out.
 async fn heartbeat_until_lost(
     pool: &DbPool,
     claimed: &ClaimedIssue,
     lease: Duration,
 ) -> Result<Generated, DbError> {
-    let every = (lease / 3).max(Duration::from_millis(100));
+    let third = |lease: Duration| (lease / 3).max(Duration::from_millis(100));
+    let every = third(lease);
     let first_retry = Duration::from_millis(250).min(every);
-    let (mut next, mut retry) = (every, first_retry);
+    let (mut next, mut retry) = (third(lease.min(claimed.lease)), first_retry);
     loop {
         tokio::time::sleep(next).await;
         let beat = async {

@@ -926,6 +926,78 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     stop.cancel();
 }
 
+/// A claim taken under a short lease is kept alive although `lease_s` has
+/// grown by the time its generation starts: the first heartbeat comes
+/// within the claim's own lease, not a third of the new one (which here
+/// would be 200 s after the claim had run out).
+#[tokio::test]
+async fn a_claim_taken_under_a_shorter_lease_is_beaten_before_it_runs_out() {
+    use newsnack::claim::Claimer;
+    use newsnack::db::issue::ClaimScope;
+    use newsnack::settings::SettingsCache;
+    use newsnack::worker::Generator;
+
+    let db = TestDb::new().await;
+    db.set("lease_s", "600").await;
+    let id = db.add_issues(1).await[0];
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (hub, _listener) = newsnack::listener::Listener::start(
+        db.config.clone(),
+        db.pool.clone(),
+        Default::default(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let settings = Arc::new(SettingsCache::new(db.pool.clone(), hub.settings_changed()));
+    let (writer, mut calls, release) = held_writer();
+    let (generator, handle) = Generator::new(
+        db.pool.clone(),
+        writer,
+        settings,
+        hub.settings_changed(),
+        Duration::from_secs(5),
+    );
+    tokio::spawn(generator.run(stop.clone()));
+    // Claimed as under `lease_s = 1`, before the setting grew.
+    let lease = Duration::from_secs(1);
+    let claimed = Claimer::start(db.pool.clone(), "short".into(), 1)
+        .claim(vec![id], lease, ClaimScope::Claimable)
+        .await
+        .unwrap()
+        .claimed;
+    assert_eq!(claimed.len(), 1);
+    let (claim_id, first_lease_until) = (claimed[0].claim_id, claimed[0].lease_until);
+    handle.submit(claimed).await;
+    within(30, "the writer to be called", calls.wait_for(|n| *n == 1))
+        .await
+        .unwrap();
+    // The claim's own lease is over by now (the test waits for time itself
+    // to pass, nothing else).
+    tokio::time::sleep(lease + Duration::from_millis(500)).await;
+    let row = db
+        .pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT processing_status, claim_id, lease_until FROM issue WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "IN_PROGRESS");
+    assert_eq!(row.get::<_, i64>(1), claim_id);
+    let lease_until: time::OffsetDateTime = row.get(2);
+    assert!(
+        lease_until > first_lease_until + time::Duration::minutes(5),
+        "not beaten in time: the lease still ends at {lease_until} (claimed until {first_lease_until})"
+    );
+    release.send_replace(true);
+    until_status(&db, &hub, 30, id, "DONE").await;
+    stop.cancel();
+}
+
 /// Graceful shutdown: generations still running when the grace period ends
 /// are released as `FAILED` with reason `shutdown`, so another instance
 /// retries them at once instead of after their lease. The one that reached

@@ -49,6 +49,10 @@ pub struct ClaimedIssue {
     pub title: String,
     pub body: String,
     pub lease_until: OffsetDateTime,
+    /// The lease the claim was taken with (`lease_until` counts from the
+    /// claim's commit): the first heartbeat must come well within it,
+    /// whatever `lease_s` says by the time the generation starts.
+    pub lease: Duration,
 }
 
 /// What a claim did with each requested id.
@@ -269,6 +273,7 @@ pub async fn claim_issues(
                 title: r.get(3),
                 body: r.get(4),
                 lease_until: r.get(5),
+                lease,
             }),
             None => {
                 done.insert(r.get(0));

@@ -449,6 +449,7 @@ mod tests {
             title: "Title".into(),
             body: "Body.".into(),
             lease_until: time::OffsetDateTime::UNIX_EPOCH,
+            lease: std::time::Duration::from_secs(60),
         };
         let text = IssueText::from(&claimed);
         assert_eq!((text.id, text.title, text.body), (7, "Title", "Body."));
