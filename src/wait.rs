@@ -332,13 +332,19 @@ impl ArmedWait {
     }
 }
 
-/// Waits for `request` (see the module docs).
+/// Waits for `request` (see the module docs). `cancel` ends it at once,
+/// also while its first read waits (behind a lock on the table, say).
 pub async fn smart_wait(
     hub: &TransitionHub,
     request: WaitRequest,
     cancel: &CancellationToken,
 ) -> Result<WaitReport, WaitError> {
-    ArmedWait::arm(hub, request).await?.outcome(cancel).await
+    let armed = tokio::select! {
+        biased;
+        _ = cancel.cancelled() => return Err(WaitError::ShuttingDown),
+        armed = ArmedWait::arm(hub, request) => armed?,
+    };
+    armed.outcome(cancel).await
 }
 
 /// The targets' state and the log position, in one snapshot, within `limit`.

@@ -175,6 +175,53 @@ async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip(
     stop.cancel();
 }
 
+/// Cancelling a wait (Ctrl-C, shutdown) ends it at once even while its
+/// first read is held behind another system's lock on the table, instead
+/// of when the read gives up at the wait's timeout (an hour here).
+#[tokio::test]
+async fn a_wait_is_cancelled_while_its_first_read_is_held_by_a_lock() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 1).await;
+    let (hub, _stop) = db.listener().await;
+    let locker = db.raw().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE issue IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let cancel = CancellationToken::new();
+    let wait = tokio::spawn({
+        let (hub, cancel, ids) = (hub.clone(), cancel.clone(), ids.clone());
+        async move { smart_wait(&hub, request(&ids, Duration::from_secs(3600), 1), &cancel).await }
+    });
+    within(20, "the wait's read to queue behind the lock", async {
+        loop {
+            let queued: i64 = sql
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if queued > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    cancel.cancel();
+    let ended = within(10, "the cancelled wait to end", wait).await.unwrap();
+    assert!(
+        matches!(ended, Err(WaitError::ShuttingDown)),
+        "{:?}",
+        ended.err()
+    );
+    locker.batch_execute("COMMIT").await.unwrap();
+}
+
 /// Another system holds the table locked: the wait's first read gives up
 /// at the timeout instead of hanging with it, and its statement is
 /// cancelled on the server, so nothing is left queued behind the lock.
