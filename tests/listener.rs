@@ -143,6 +143,32 @@ async fn settings_reads_wait_for_the_pool_side_by_side() {
     }
 }
 
+/// Emptying the table puts every setting back to its default, and is
+/// announced like any change, so the services' caches follow.
+#[tokio::test]
+async fn emptying_the_settings_is_announced_and_brings_back_the_defaults() {
+    let db = TestDb::new().await;
+    db.set("top_k", "7").await;
+    let (hub, stop) = db.listener().await;
+    let cache = newsnack::settings::SettingsCache::new(db.pool.clone(), hub.settings_changed());
+    assert_eq!(cache.get().await.unwrap().top_k, 7);
+    let mut changes = hub.settings_changed();
+    changes.borrow_and_update();
+    db.raw()
+        .await
+        .batch_execute("TRUNCATE setting")
+        .await
+        .unwrap();
+    within(10, "the settings notification", changes.changed())
+        .await
+        .unwrap();
+    assert_eq!(
+        cache.get().await.unwrap().top_k,
+        newsnack::settings::Settings::default().top_k
+    );
+    stop.cancel();
+}
+
 #[tokio::test]
 async fn settings_changes_are_announced_to_the_hub() {
     let db = TestDb::new().await;

@@ -80,6 +80,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "readable timestamps",
         sql: include_str!("../../sql/0013_readable_timestamps.sql"),
     },
+    Migration {
+        version: 14,
+        name: "setting truncate notice",
+        sql: include_str!("../../sql/0014_setting_truncate_notice.sql"),
+    },
 ];
 
 /// What a migration run did.
