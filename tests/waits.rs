@@ -175,6 +175,34 @@ async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip(
     stop.cancel();
 }
 
+/// A bounded read waits for a free session as long as its own limit
+/// allows, not just the pool's usual wait: a wait's first snapshot taken
+/// while the pool is briefly busy must not fail a run that has minutes.
+#[tokio::test]
+async fn a_bounded_read_waits_for_a_session_up_to_its_own_limit() {
+    let db = TestDb::new().await;
+    let pool = db.pool_of_one(Duration::from_millis(100));
+    let busy = pool.get().await.unwrap();
+    let read = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            newsnack::db::bounded(&pool, Duration::from_secs(30), |client| {
+                Box::pin(async move {
+                    let row = client.query_one("SELECT 41 + 1", &[]).await?;
+                    Ok(row.get::<_, i32>(0))
+                })
+            })
+            .await
+        }
+    });
+    // The session stays busy well past the pool's usual wait (the test
+    // waits for time itself to pass, nothing else).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    drop(busy);
+    let answer = within(20, "the bounded read", read).await.unwrap();
+    assert_eq!(answer.unwrap(), 42);
+}
+
 /// Cancelling a wait (Ctrl-C, shutdown) ends it at once even while its
 /// first read is held behind another system's lock on the table, instead
 /// of when the read gives up at the wait's timeout (an hour here).

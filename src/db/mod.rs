@@ -234,7 +234,13 @@ pub async fn bounded<T: Send + 'static>(
     let pool = pool.clone();
     let work = tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + limit;
-        let client = tokio::time::timeout_at(deadline, pool.get())
+        // The pool's own wait for a free session is shorter; this one has
+        // all of `limit`.
+        let waits = deadpool_postgres::Timeouts {
+            wait: Some(limit),
+            ..pool.timeouts()
+        };
+        let client = tokio::time::timeout_at(deadline, pool.timeout_get(&waits))
             .await
             .map_err(|_| DbError::TimedOut(limit))??;
         if let Ok(answer) = tokio::time::timeout_at(deadline, query(&client)).await {
