@@ -4,8 +4,9 @@
 //! advisory lock on a connection of its own (never a pooled one). Every
 //! tick it moves `IN_PROGRESS` issues whose lease expired to `FAILED` with
 //! reason `lease expired` (a guarded compare-and-set, see
-//! [`crate::db::issue::reap_expired`]); the retry scheduler then retries
-//! them. If the holder dies, its session ends, the lock is free, and another
+//! [`crate::db::issue::reap_expired`]), on that same session, so the
+//! instance holding the lock can reap however loaded its pool is; the
+//! retry scheduler then retries them. If the holder dies, its session ends, the lock is free, and another
 //! instance takes over at its next tick.
 
 use std::sync::Arc;
@@ -15,13 +16,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::db::advisory::{self, AdvisoryLock};
 use crate::db::issue;
-use crate::db::DbPool;
 use crate::settings::SettingsCache;
 
 /// The reaper service of one instance.
 pub struct LeaseReaper {
     pub config: tokio_postgres::Config,
-    pub pool: DbPool,
     pub settings: Arc<SettingsCache>,
     pub instance: String,
 }
@@ -64,7 +63,8 @@ impl LeaseReaper {
                     }
                 }
             }
-            match self.reap().await {
+            let Some((held, _)) = &lock else { continue };
+            match reap(held).await {
                 Ok(ids) if !ids.is_empty() => tracing::warn!(?ids, "reaped expired leases"),
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "reaping failed"),
@@ -72,19 +72,6 @@ impl LeaseReaper {
         }
         if let Some((lock, _shown)) = lock {
             lock.release().await;
-        }
-    }
-
-    async fn reap(&self) -> Result<Vec<i64>, crate::db::DbError> {
-        let client = self.pool.get().await?;
-        let mut all = Vec::new();
-        loop {
-            let batch = issue::reap_expired(&client, 500).await?;
-            let more = batch.len() == 500;
-            all.extend(batch);
-            if !more {
-                return Ok(all);
-            }
         }
     }
 
@@ -98,5 +85,20 @@ impl LeaseReaper {
             .map(|s| s.lease())
             .unwrap_or(Duration::from_secs(60));
         (lease / 4).clamp(Duration::from_millis(200), Duration::from_secs(5))
+    }
+}
+
+/// Reaps on the lock's own session: only while the lock is held, and
+/// whatever the pool's load (a saturated pool must not leave the lock
+/// held by an instance that cannot reap).
+async fn reap(held: &AdvisoryLock) -> Result<Vec<i64>, crate::db::DbError> {
+    let mut all = Vec::new();
+    loop {
+        let batch = issue::reap_expired(held.client(), 500).await?;
+        let more = batch.len() == 500;
+        all.extend(batch);
+        if !more {
+            return Ok(all);
+        }
     }
 }

@@ -273,7 +273,6 @@ pub async fn start(
     core.tasks.spawn(
         LeaseReaper {
             config: core.config.clone(),
-            pool: core.pool.clone(),
             settings: core.settings.clone(),
             instance: options.instance.clone(),
         }

@@ -1018,7 +1018,6 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
     let reaper = tokio::spawn(
         newsnack::reaper::LeaseReaper {
             config: core.config.clone(),
-            pool: core.pool.clone(),
             settings: core.settings.clone(),
             instance: "reaper".into(),
         }

@@ -1076,3 +1076,48 @@ async fn shutdown_releases_unfinished_generations_as_failed() {
         "the started generation spent its attempt, the queued ones did not"
     );
 }
+
+/// The reaper works on the session that holds its lock, not through the
+/// pool: an instance whose pool is saturated (here: its one session taken)
+/// still returns expired claims, instead of holding the lock that keeps
+/// every other instance from reaping while it cannot. (It then ticks at
+/// the default lease's pace, having no settings.)
+#[tokio::test]
+async fn the_reaper_reaps_while_its_pool_is_saturated() {
+    let db = TestDb::new().await;
+    db.set("lease_s", "1").await;
+    let id = db.add_issues(1).await[0];
+    let (hub, stop) = db.listener().await;
+    db.raw()
+        .await
+        .batch_execute(&format!(
+            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = {id}"
+        ))
+        .await
+        .unwrap();
+    // The instance's pool is saturated: even its settings cannot be read.
+    let pool = db.pool_of_one(Duration::from_millis(100));
+    let _busy = pool.get().await.unwrap();
+    let settings = Arc::new(newsnack::settings::SettingsCache::new(
+        pool,
+        hub.settings_changed(),
+    ));
+    let reaper = tokio::spawn(
+        newsnack::reaper::LeaseReaper {
+            config: db.config.clone(),
+            settings,
+            instance: "saturated".into(),
+        }
+        .run(stop.clone()),
+    );
+    until_status(&db, &hub, 30, id, "FAILED").await;
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT count(*) FROM issue WHERE id = {id} AND last_error = 'lease expired'"
+        ))
+        .await,
+        1
+    );
+    stop.cancel();
+    reaper.await.unwrap();
+}

@@ -875,7 +875,7 @@ async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
     )
     .await
     .unwrap();
-    assert_eq!(reap_expired(&client, 100).await.unwrap(), vec![id]);
+    assert_eq!(reap_expired(&**client, 100).await.unwrap(), vec![id]);
     assert_eq!(issue_state(&db, id).await.0, "FAILED");
 
     // Reaped but not yet re-claimed: the old claim is already dead.
@@ -950,7 +950,10 @@ async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
         reclaimed,
         "the late worker changed the re-claimed issue"
     );
-    assert_eq!(reap_expired(&client, 100).await.unwrap(), Vec::<i64>::new());
+    assert_eq!(
+        reap_expired(&**client, 100).await.unwrap(),
+        Vec::<i64>::new()
+    );
 
     // The current claim still writes, once.
     assert_eq!(
@@ -1047,7 +1050,7 @@ async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
     let reaped = within(
         10,
         "a reaper that skips locked rows",
-        reap_expired(&client, 100),
+        reap_expired(&**client, 100),
     )
     .await
     .unwrap();
@@ -1059,7 +1062,7 @@ async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
     heart.batch_execute("COMMIT").await.unwrap();
     finisher.batch_execute("COMMIT").await.unwrap();
     assert_eq!(
-        reap_expired(&client, 100).await.unwrap(),
+        reap_expired(&**client, 100).await.unwrap(),
         Vec::<i64>::new(),
         "after the workers commit there is nothing left to reap"
     );

@@ -548,9 +548,13 @@ pub async fn release(
 /// when locked, it is still `IN_PROGRESS` under the same claim with its lease
 /// still expired, so an issue completed or heartbeated in between is left
 /// alone; rows locked by a finishing worker are skipped, not waited for.
-pub async fn reap_expired(client: &impl GenericClient, limit: i64) -> Result<Vec<i64>, DbError> {
-    let statement = client
-        .prepare_cached(
+/// Runs on any session: the reaper's is the one holding its lock.
+pub async fn reap_expired(
+    client: &impl tokio_postgres::GenericClient,
+    limit: i64,
+) -> Result<Vec<i64>, DbError> {
+    let mut ids: Vec<i64> = client
+        .query(
             "WITH expired AS MATERIALIZED (
                  SELECT id, claim_id FROM issue
                   WHERE processing_status = 'IN_PROGRESS' AND lease_until < now()
@@ -564,10 +568,8 @@ pub async fn reap_expired(client: &impl GenericClient, limit: i64) -> Result<Vec
               WHERE i.id = e.id AND i.claim_id = e.claim_id
                 AND i.processing_status = 'IN_PROGRESS' AND i.lease_until < now()
           RETURNING i.id",
+            &[&limit],
         )
-        .await?;
-    let mut ids: Vec<i64> = client
-        .query(&statement, &[&limit])
         .await?
         .iter()
         .map(|r| r.get(0))
