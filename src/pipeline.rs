@@ -97,6 +97,11 @@ impl Pipeline {
     /// step, publishing the briefing and recording the outcome in one
     /// transaction, commits only while the server still sees the lock held
     /// and the run still `running`.
+    ///
+    /// `cancel` (a shutdown) ends a manual run's wait as `abandoned`; a
+    /// scheduled run's wait decides at once instead, as at its timeout, so
+    /// a restart during the wait does not lose the tick's briefing when
+    /// enough articles are done.
     pub async fn run_locked(
         &self,
         trigger: Trigger,
@@ -122,7 +127,11 @@ impl Pipeline {
             stop.clone(),
             done.clone(),
         ));
-        let result = self.run(trigger, &stop, &holder).await;
+        // A scheduled run's tick passes with it, so at a shutdown it
+        // decides on what is done rather than being abandoned; a manual
+        // run stopped by its operator is abandoned.
+        let decide_now = matches!(trigger, Trigger::Schedule(_)).then_some(cancel);
+        let result = self.run(trigger, &stop, decide_now, &holder).await;
         done.cancel();
         let _ = keeper.await;
         result
@@ -132,6 +141,7 @@ impl Pipeline {
         &self,
         trigger: Trigger,
         stop: &CancellationToken,
+        decide_now: Option<&CancellationToken>,
         lock: &LockHolder,
     ) -> Result<Option<RunSummary>, PipelineError> {
         let settings = self.settings.get().await?;
@@ -161,7 +171,10 @@ impl Pipeline {
         };
         drop(client);
         let mut record = RunRecord::default();
-        match self.carry_out(run_id, &settings, stop, &mut record).await {
+        match self
+            .carry_out(run_id, &settings, stop, decide_now, &mut record)
+            .await
+        {
             Ok(publish) => self.finish(run_id, record, publish, lock).await,
             Err(e) => {
                 // A run that started is always finished, so it never stays
@@ -177,12 +190,14 @@ impl Pipeline {
     }
 
     /// Selects, claims and waits, filling in `record`; true when a briefing
-    /// of `record.completed` is to be published.
+    /// of `record.completed` is to be published. `stop` abandons the wait;
+    /// `decide_now` (checked first) makes it decide at once.
     async fn carry_out(
         &self,
         run_id: i64,
         settings: &Settings,
         stop: &CancellationToken,
+        decide_now: Option<&CancellationToken>,
         record: &mut RunRecord,
     ) -> Result<bool, PipelineError> {
         let client = self.pool.get().await.map_err(DbError::from)?;
@@ -239,7 +254,7 @@ impl Pipeline {
         };
         let waited = tokio::select! {
             biased;
-            waited = wait::smart_wait(&self.hub, request, stop) => waited,
+            waited = wait::smart_wait_deciding_early(&self.hub, request, decide_now, stop) => waited,
             never = self.claim_stragglers(stragglers, settings, record) => match never {},
         };
         // In target order (hottest first).

@@ -225,7 +225,26 @@ impl ArmedWait {
     }
 
     /// Waits for the outcome (or for `cancel`, which abandons the wait).
-    pub async fn outcome(mut self, cancel: &CancellationToken) -> Result<WaitReport, WaitError> {
+    pub async fn outcome(self, cancel: &CancellationToken) -> Result<WaitReport, WaitError> {
+        self.resolve(None, cancel).await
+    }
+
+    /// [`ArmedWait::outcome`]; `decide_now`, once cancelled, brings the
+    /// deadline forward: the wait decides at once on what is done by then,
+    /// as at its timeout.
+    async fn resolve(
+        mut self,
+        decide_now: Option<&CancellationToken>,
+        cancel: &CancellationToken,
+    ) -> Result<WaitReport, WaitError> {
+        let early = async {
+            match decide_now {
+                Some(token) => token.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(early);
+        let mut decided_early = false;
         let mut decision = Decision {
             min_completion: self.request.min_completion,
         }
@@ -236,6 +255,13 @@ impl ArmedWait {
         while decision.state().outcome().is_none() {
             tokio::select! {
                 biased;
+                _ = &mut early, if !decided_early => {
+                    decided_early = true;
+                    tracing::info!("deciding the wait now, before its deadline, on what is done");
+                    self.last_look().await;
+                    decision.handle(&self.progress());
+                    decision.handle(&WaitEvent::Deadline { done: self.done_count() });
+                }
                 _ = cancel.cancelled() => return Err(WaitError::ShuttingDown),
                 // A failed log read (a wait that fell behind) is retried
                 // until the deadline decides on what is known by then.
@@ -339,12 +365,25 @@ pub async fn smart_wait(
     request: WaitRequest,
     cancel: &CancellationToken,
 ) -> Result<WaitReport, WaitError> {
+    smart_wait_deciding_early(hub, request, None, cancel).await
+}
+
+/// [`smart_wait`], except that once `decide_now` is cancelled (checked
+/// before `cancel`), a wait that has read its targets decides at once by
+/// the deadline's rule instead of being abandoned: a scheduled run stopped
+/// by a shutdown still publishes what was done, if that is enough.
+pub async fn smart_wait_deciding_early(
+    hub: &TransitionHub,
+    request: WaitRequest,
+    decide_now: Option<&CancellationToken>,
+    cancel: &CancellationToken,
+) -> Result<WaitReport, WaitError> {
     let armed = tokio::select! {
         biased;
         _ = cancel.cancelled() => return Err(WaitError::ShuttingDown),
         armed = ArmedWait::arm(hub, request) => armed?,
     };
-    armed.outcome(cancel).await
+    armed.resolve(decide_now, cancel).await
 }
 
 /// The targets' state and the log position, in one snapshot, within `limit`.

@@ -3,7 +3,8 @@
 //! by SQL taking effect on the next scheduled run, and two schedulers that
 //! run each tick once, surviving the loss of one; a run that loses
 //! its lock, or was taken over, publishes nothing; a run whose last commit
-//! lands but whose answer is lost reports what it recorded.
+//! lands but whose answer is lost reports what it recorded; a scheduled
+//! run stopped by a shutdown decides on what is done.
 
 mod common;
 
@@ -1014,4 +1015,82 @@ async fn a_run_whose_last_commit_answer_is_lost_reports_what_it_recorded() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(briefings, vec![ids.clone()]);
+}
+
+/// Writes like the built-in writer, except for the issues in `never`,
+/// whose generation never ends.
+struct NeverFor {
+    never: Vec<i64>,
+}
+
+impl newsnack::writer::Writer for NeverFor {
+    fn name(&self) -> &str {
+        "never-for-some"
+    }
+    fn write<'a>(
+        &'a self,
+        issue: newsnack::writer::IssueText<'a>,
+    ) -> futures::future::BoxFuture<
+        'a,
+        Result<newsnack::writer::Article, newsnack::writer::WriteError>,
+    > {
+        Box::pin(async move {
+            if self.never.contains(&issue.id) {
+                std::future::pending::<()>().await;
+            }
+            OfflineWriter.write(issue).await
+        })
+    }
+}
+
+/// An instance stopped (SIGTERM, a rolling restart) while its scheduled
+/// run waits decides that wait at once, as at its timeout: three of five
+/// articles are done, enough, so the tick's briefing is published with
+/// them instead of the run being abandoned and the tick lost (its record
+/// keeps any other instance from running it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_run_stopped_by_a_shutdown_publishes_what_was_done() {
+    let db = TestDb::new().await;
+    let ids = scored_issues(&db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
+    db.set("content_gen_timeout_s", "3600").await;
+    db.set("content_gen_min_completion", "3").await;
+    // The two coldest never finish.
+    let writer = NeverFor {
+        never: ids[..2].to_vec(),
+    };
+    let service = newsnack::serve::start(
+        newsnack::serve::ServeOptions {
+            grace: std::time::Duration::from_millis(200),
+            ..db.serve_options("restarting")
+        },
+        Arc::new(writer),
+    )
+    .await
+    .unwrap();
+    db.set("schedule", "every 1s").await;
+    until_sql(
+        &db,
+        &service.hub,
+        30,
+        "SELECT (SELECT count(*) FROM issue WHERE processing_status = 'DONE') = 3
+            AND EXISTS (SELECT 1 FROM pipeline_run WHERE outcome = 'running')",
+    )
+    .await;
+    service.stop().await.unwrap();
+    let row = db
+        .pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT r.outcome, r.completed, b.issue_ids
+               FROM pipeline_run r LEFT JOIN briefing b ON b.id = r.briefing_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let hottest_three: Vec<i64> = ids[2..].iter().rev().copied().collect();
+    assert_eq!(row.get::<_, String>(0), "timeout_pass");
+    assert_eq!(row.get::<_, Vec<i64>>(1), hottest_three);
+    assert_eq!(row.get::<_, Option<Vec<i64>>>(2), Some(hottest_three));
 }
