@@ -635,12 +635,25 @@ const ARMED_TICK_GRACE: time::Duration = time::Duration::minutes(1);
 /// How soon the scheduler reads its settings again after a failed read.
 const SETTINGS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How soon a tick with no recorded run is tried again (within
+/// [`ARMED_TICK_GRACE`]).
+const TICK_RETRY: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Runs the pipeline at every tick of the `schedule` setting.
 pub struct PipelineScheduler {
     pub pipeline: Pipeline,
 }
 
 impl PipelineScheduler {
+    /// Whether `tick` has a recorded run; a failed read counts as no.
+    async fn tick_recorded(&self, tick: OffsetDateTime) -> bool {
+        let recorded = async {
+            let client = self.pipeline.pool.get().await?;
+            pipeline_run::tick_has_run(&client, tick).await
+        };
+        recorded.await.unwrap_or(false)
+    }
+
     pub async fn run(self, shutdown: CancellationToken) {
         let mut changes = self.pipeline.hub.settings_changed();
         // The tick waited for, with the schedule it came from, until it runs.
@@ -685,22 +698,39 @@ impl PipelineScheduler {
                 _ = sleep => {}
             }
             armed = None;
-            match self
+            let unrecorded = match self
                 .pipeline
                 .run_locked(Trigger::Schedule(tick), &shutdown)
                 .await
             {
                 Ok(Some(summary)) => {
-                    tracing::info!(run_id = summary.run_id, outcome = %summary.outcome, "scheduled run done")
+                    tracing::info!(run_id = summary.run_id, outcome = %summary.outcome, "scheduled run done");
+                    false
                 }
-                Ok(None) => {}
+                Ok(None) => false,
                 Err(PipelineError::Busy) => {
                     // Another instance runs this tick, or a run (an earlier
-                    // tick's, or a manual one) is still in progress and this
-                    // tick is skipped.
-                    tracing::info!(%tick, "the pipeline lock is held elsewhere; not running this tick here")
+                    // tick's, or a manual one) is still in progress.
+                    tracing::info!(%tick, "the pipeline lock is held elsewhere; not running this tick here");
+                    !self.tick_recorded(tick).await
                 }
-                Err(e) => tracing::warn!(error = %e, "scheduled run failed"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "scheduled run failed");
+                    !self.tick_recorded(tick).await
+                }
+            };
+            // No run of this tick is recorded: the instance that held the
+            // lock may have failed before recording one (a pool timeout,
+            // a database blip), or this one did. The tick stays armed and
+            // is tried again while it is fresh; whoever records its run
+            // first runs it, the others then find it recorded.
+            if unrecorded {
+                armed = Some((settings.schedule.clone(), tick));
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    Ok(()) = changes.changed() => {}
+                    _ = tokio::time::sleep(TICK_RETRY) => {}
+                }
             }
         }
     }

@@ -1094,3 +1094,47 @@ async fn a_scheduled_run_stopped_by_a_shutdown_publishes_what_was_done() {
     assert_eq!(row.get::<_, Vec<i64>>(1), hottest_three);
     assert_eq!(row.get::<_, Option<Vec<i64>>>(2), Some(hottest_three));
 }
+
+/// A tick at which another session holds the pipeline lock but records no
+/// run (an instance that took the lock, then failed before its run began)
+/// is tried again while it is fresh, so it is not lost on every instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tick_whose_lock_holder_records_no_run_is_run_by_another_instance() {
+    use newsnack::db::advisory::{self, AdvisoryLock};
+    let db = TestDb::new().await;
+    scored_issues(&db, &[1.0, 2.0, 3.0]).await;
+    let service = db.serve("second", Arc::new(OfflineWriter)).await;
+    let holder = AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "first")
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    // One tick, a few seconds from now (a daily cron expression with
+    // seconds, UTC), while the lock is held.
+    let tick = (time::OffsetDateTime::now_utc() + time::Duration::seconds(4))
+        .replace_nanosecond(0)
+        .unwrap();
+    db.set(
+        "schedule",
+        &format!("{} {} {} * * *", tick.second(), tick.minute(), tick.hour()),
+    )
+    .await;
+    // The holder lets go a moment after the tick without recording a run
+    // (the test waits for time itself to pass, nothing else).
+    let after_tick = (tick + time::Duration::milliseconds(1500)) - time::OffsetDateTime::now_utc();
+    tokio::time::sleep(after_tick.try_into().unwrap_or_default()).await;
+    holder.release().await;
+    // The run's outcome is recorded after its last transition, so this
+    // looks at the table until it is there.
+    let ran = format!(
+        "SELECT count(*) FROM pipeline_run WHERE tick = '{}' AND outcome = 'all_pass'",
+        tick.format(&time::format_description::well_known::Rfc3339)
+            .unwrap()
+    );
+    within(30, "the tick's run", async {
+        while db.scalar_i64(&ran).await == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    service.stop().await.unwrap();
+}
