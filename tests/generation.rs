@@ -718,6 +718,48 @@ impl writer::Writer for HeldWriter {
     }
 }
 
+/// A generator on `pool` with a [`held_writer`], its listener and settings
+/// on the test database's own pool; `stop` ends them.
+struct HeldGenerator {
+    hub: newsnack::listener::TransitionHub,
+    stop: tokio_util::sync::CancellationToken,
+    handle: newsnack::worker::GeneratorHandle,
+    calls: watch::Receiver<u32>,
+    release: watch::Sender<bool>,
+}
+
+async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerator {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (hub, _listener) = newsnack::listener::Listener::start(
+        db.config.clone(),
+        db.pool.clone(),
+        Default::default(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let settings = Arc::new(newsnack::settings::SettingsCache::new(
+        db.pool.clone(),
+        hub.settings_changed(),
+    ));
+    let (writer, calls, release) = held_writer();
+    let (generator, handle) = newsnack::worker::Generator::new(
+        pool,
+        writer,
+        settings,
+        hub.settings_changed(),
+        Duration::from_secs(5),
+    );
+    tokio::spawn(generator.run(stop.clone()));
+    HeldGenerator {
+        hub,
+        stop,
+        handle,
+        calls,
+        release,
+    }
+}
+
 /// The service's `newsnack_completions_deferred_total`.
 async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
     let text = reqwest::get(format!("http://{addr}/metrics"))
@@ -862,8 +904,6 @@ async fn a_full_backlog_turns_claims_away_until_it_is_written() {
 async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     use newsnack::claim::Claimer;
     use newsnack::db::issue::ClaimScope;
-    use newsnack::settings::SettingsCache;
-    use newsnack::worker::Generator;
 
     let db = TestDb::new().await;
     // A lease far longer than the test: only the retried write can finish it.
@@ -872,25 +912,13 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     let gate = DbGate::start(&db, true).await;
     let gated = newsnack::db::pg_config(&gate.url, "gated").unwrap();
     let pool = newsnack::db::pool(gated, &newsnack::db::PoolOptions::default()).unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::listener::Listener::start(
-        db.config.clone(),
-        db.pool.clone(),
-        Default::default(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let settings = Arc::new(SettingsCache::new(db.pool.clone(), hub.settings_changed()));
-    let (writer, mut calls, release) = held_writer();
-    let (generator, handle) = Generator::new(
-        pool.clone(),
-        writer,
-        settings,
-        hub.settings_changed(),
-        Duration::from_secs(5),
-    );
-    tokio::spawn(generator.run(stop.clone()));
+    let HeldGenerator {
+        hub,
+        stop,
+        handle,
+        mut calls,
+        release,
+    } = held_generator(&db, pool.clone()).await;
     let claimed = Claimer::start(pool.clone(), "gated".into(), 1)
         .claim(vec![id], Duration::from_secs(600), ClaimScope::Claimable)
         .await
@@ -934,31 +962,17 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
 async fn a_claim_taken_under_a_shorter_lease_is_beaten_before_it_runs_out() {
     use newsnack::claim::Claimer;
     use newsnack::db::issue::ClaimScope;
-    use newsnack::settings::SettingsCache;
-    use newsnack::worker::Generator;
 
     let db = TestDb::new().await;
     db.set("lease_s", "600").await;
     let id = db.add_issues(1).await[0];
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::listener::Listener::start(
-        db.config.clone(),
-        db.pool.clone(),
-        Default::default(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let settings = Arc::new(SettingsCache::new(db.pool.clone(), hub.settings_changed()));
-    let (writer, mut calls, release) = held_writer();
-    let (generator, handle) = Generator::new(
-        db.pool.clone(),
-        writer,
-        settings,
-        hub.settings_changed(),
-        Duration::from_secs(5),
-    );
-    tokio::spawn(generator.run(stop.clone()));
+    let HeldGenerator {
+        hub,
+        stop,
+        handle,
+        mut calls,
+        release,
+    } = held_generator(&db, db.pool.clone()).await;
     // Claimed as under `lease_s = 1`, before the setting grew.
     let lease = Duration::from_secs(1);
     let claimed = Claimer::start(db.pool.clone(), "short".into(), 1)

@@ -203,6 +203,18 @@ async fn a_bounded_read_waits_for_a_session_up_to_its_own_limit() {
     assert_eq!(answer.unwrap(), 42);
 }
 
+/// Sessions of this database waiting for a lock.
+async fn queued_behind_locks(sql: &tokio_postgres::Client) -> i64 {
+    sql.query_one(
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 /// Cancelling a wait (Ctrl-C, shutdown) ends it at once even while its
 /// first read is held behind another system's lock on the table, instead
 /// of when the read gives up at the wait's timeout (an hour here).
@@ -223,19 +235,7 @@ async fn a_wait_is_cancelled_while_its_first_read_is_held_by_a_lock() {
         async move { smart_wait(&hub, request(&ids, Duration::from_secs(3600), 1), &cancel).await }
     });
     within(20, "the wait's read to queue behind the lock", async {
-        loop {
-            let queued: i64 = sql
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if queued > 0 {
-                return;
-            }
+        while queued_behind_locks(&sql).await == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -275,16 +275,7 @@ async fn a_lock_on_the_table_cannot_hold_a_wait_past_its_timeout() {
         "{:?}",
         armed.err()
     );
-    let queued = || async {
-        sql.query_one(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get::<_, i64>(0)
-    };
+    let queued = || queued_behind_locks(&sql);
     // The lock is still held: only a cancel ends the read's statement.
     within(20, "the timed-out read to be cancelled", async {
         while queued().await > 0 {
