@@ -68,10 +68,16 @@ impl Known {
             .unwrap_or_else(|_| *self.removed.borrow() != self.stale_up_to);
         if unseen {
             self.stale_up_to = *self.removed.borrow_and_update();
-            self.ids.clear();
-            self.epoch += 1;
+            self.forget_all();
         }
         self
+    }
+
+    /// Starts over: nothing known, and what a claim statement read before
+    /// now is not recorded either.
+    fn forget_all(&mut self) {
+        self.ids.clear();
+        self.epoch += 1;
     }
 
     fn remove(&mut self, id: i64) {
@@ -125,7 +131,7 @@ impl DoneIssues {
                     Ok(t) if t.from.is_none() => known.remove(t.issue_id),
                     Ok(_) => {}
                     // What was skipped may have been such an arrival.
-                    Err(RecvError::Lagged(_)) => known.ids.clear(),
+                    Err(RecvError::Lagged(_)) => known.forget_all(),
                     Err(RecvError::Closed) => return,
                 }
             }

@@ -6,8 +6,9 @@
 //! reason `lease expired` (a guarded compare-and-set, see
 //! [`crate::db::issue::reap_expired`]), on that same session, so the
 //! instance holding the lock can reap however loaded its pool is; the
-//! retry scheduler then retries them. If the holder dies, its session ends, the lock is free, and another
-//! instance takes over at its next tick.
+//! retry scheduler then retries them. If the holder dies, its session
+//! ends, the lock is free, and another instance takes over at its next
+//! tick.
 
 use std::sync::Arc;
 use std::time::Duration;
