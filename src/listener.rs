@@ -73,6 +73,12 @@ pub struct ListenerStatus {
     /// The last `seq` published to subscribers (watchers are woken when it
     /// moves, after the transitions up to it were sent).
     pub last_seq: i64,
+    /// Set when a new session found the log ending at this `seq`, before
+    /// `last_seq`: the database was restored from an older backup, or the
+    /// log truncated. Transitions numbered again from there look like
+    /// repeats and are not published until they pass `last_seq`; the
+    /// instance reports not ready until it is restarted.
+    pub log_ends_before: Option<i64>,
 }
 
 /// Where a reader that asked to start after some `seq` starts (see
@@ -412,6 +418,18 @@ impl Listener {
             // catch-up read and the first notification.
             if let Err(e) = self.catch_up(&session.client).await {
                 return SessionEnd::Lost(format!("catch-up failed: {e}"));
+            }
+            match db::transition::last_seq(&session.client).await {
+                Ok(end) if end < self.last_seq => {
+                    tracing::error!(
+                        log_ends_at = end,
+                        published = self.last_seq,
+                        "the transition log ends before what this instance published (a restored or truncated log): restart this instance to follow it"
+                    );
+                    self.status.send_modify(|s| s.log_ends_before = Some(end));
+                }
+                Ok(_) => {}
+                Err(e) => return SessionEnd::Lost(format!("cannot read the log's end: {e}")),
             }
             self.mark_connected(&session);
             // Setting changes and removals may have been missed while

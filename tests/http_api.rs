@@ -1708,3 +1708,45 @@ async fn dates_the_service_cannot_represent_are_a_json_500_naming_the_row() {
     assert_eq!(status, StatusCode::OK, "{issue}");
     service.stop().await.unwrap();
 }
+
+/// The transition log going backwards under a running service (a restore
+/// from an older backup, the log truncated) is found when the listener
+/// next connects: the service says so and reports not ready, instead of
+/// waiting in silence for `seq`s it would take for repeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_went_backwards_makes_the_service_not_ready() {
+    let db = TestDb::new().await;
+    db.add_issues(3).await;
+    let service = db.serve("rewound", offline()).await;
+    let readyz = format!("http://{}/readyz", service.addr);
+    assert_eq!(
+        reqwest::get(&readyz).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let mut status = service.hub.status();
+    let pid = status.borrow().backend_pid.expect("connected");
+    let sql = db.raw().await;
+    sql.batch_execute("TRUNCATE issue_transition RESTART IDENTITY")
+        .await
+        .unwrap();
+    sql.execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    let rewound = within(
+        30,
+        "the next session to find the log behind",
+        status.wait_for(|s| s.log_ends_before.is_some()),
+    )
+    .await
+    .unwrap()
+    .log_ends_before;
+    assert_eq!(rewound, Some(0));
+    let answer = reqwest::get(&readyz).await.unwrap();
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = answer.json().await.unwrap();
+    assert!(
+        body["error"].as_str().unwrap().contains("restart"),
+        "{body}"
+    );
+    service.stop().await.unwrap();
+}

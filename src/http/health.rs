@@ -20,7 +20,8 @@ pub async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }
 
-/// Readiness: the database answers and the listener is connected.
+/// Readiness: the database answers, the listener is connected, and the
+/// log has not gone back behind what this instance published.
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses((status = 200, description = "ready"), (status = 503, description = "not ready")))]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_json::Value>) {
@@ -28,15 +29,23 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_js
         Ok(client) => client.simple_query("SELECT 1").await.is_ok(),
         Err(_) => false,
     };
-    let listener = state.hub.status().borrow().connected;
-    let ready = database && listener;
+    let (listener, log_ends_before) = {
+        let status = state.hub.status();
+        let status = status.borrow();
+        (status.connected, status.log_ends_before)
+    };
+    let ready = database && listener && log_ends_before.is_none();
     let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let mut body = serde_json::json!({ "database": database, "listener": listener });
-    if !ready {
+    if let Some(end) = log_ends_before {
+        body["error"] = serde_json::json!(format!(
+            "the transition log now ends at seq {end}, before what this instance published (a restored or truncated log): restart it"
+        ));
+    } else if !ready {
         body["error"] = serde_json::json!("not ready");
     }
     (status, Json(body))
