@@ -79,23 +79,17 @@ impl IntoResponse for ApiError {
             ),
             ApiError::Unavailable(message) => {
                 tracing::warn!(%message, "answering 503");
-                let body = serde_json::json!({ "error": "the database is busy or unreachable; try again" });
-                let retry_after = [(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S))];
-                return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
+                return try_again(
+                    "the database is busy or unreachable; try again",
+                    RETRY_AFTER_S,
+                );
             }
             ApiError::ShuttingDown => {
-                let body = serde_json::json!({ "error": "the server is shutting down; try again" });
-                let retry_after = [(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_S))];
-                return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
+                return try_again("the server is shutting down; try again", RETRY_AFTER_S)
             }
             ApiError::Overloaded(message) => {
                 tracing::warn!(%message, "answering 503");
-                let body = serde_json::json!({ "error": message });
-                let retry_after = [(
-                    header::RETRY_AFTER,
-                    HeaderValue::from_static(OVERLOADED_RETRY_AFTER_S),
-                )];
-                return (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response();
+                return try_again(&message, OVERLOADED_RETRY_AFTER_S);
             }
             ApiError::Unreadable(message) => {
                 tracing::error!(%message, "answering 500");
@@ -114,6 +108,13 @@ impl IntoResponse for ApiError {
         };
         (status, Json(body)).into_response()
     }
+}
+
+/// A 503 saying `message`, with `Retry-After: seconds`.
+fn try_again(message: &str, seconds: &'static str) -> Response {
+    let retry_after = [(header::RETRY_AFTER, HeaderValue::from_static(seconds))];
+    let body = serde_json::json!({ "error": message });
+    (StatusCode::SERVICE_UNAVAILABLE, retry_after, Json(body)).into_response()
 }
 
 impl From<InvalidInput> for ApiError {
