@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
-use tokio_postgres::{AsyncMessage, Client, NoTls, Notification};
+use tokio_postgres::{AsyncMessage, Client, Notification};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, DbError, DbPool};
@@ -246,7 +246,8 @@ impl PublishTimes {
 
 /// The owner of the LISTEN connection.
 pub struct Listener {
-    config: tokio_postgres::Config,
+    /// The direct endpoint: LISTEN needs a session of its own.
+    endpoint: db::Endpoint,
     options: ListenerOptions,
     events: broadcast::Sender<Transition>,
     published: Arc<PublishTimes>,
@@ -279,7 +280,7 @@ impl Listener {
     /// through [`TransitionHub::stream_after`]. Fails if the first connection
     /// fails, so a bad URL is reported at start-up rather than retried.
     pub async fn start(
-        config: tokio_postgres::Config,
+        endpoint: db::Endpoint,
         pool: DbPool,
         options: ListenerOptions,
         shutdown: CancellationToken,
@@ -290,7 +291,7 @@ impl Listener {
         let (removed_tx, removed_rx) = watch::channel(0);
         let published = Arc::new(PublishTimes::default());
         let mut listener = Listener {
-            config,
+            endpoint,
             options,
             events: events.clone(),
             published: published.clone(),
@@ -565,7 +566,7 @@ impl Listener {
     }
 
     async fn connect(&self) -> Result<Session, DbError> {
-        let (client, mut connection) = self.config.connect(NoTls).await?;
+        let (client, mut connection, _) = self.endpoint.connect_raw().await?;
         let (tx, notifications) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));

@@ -50,34 +50,33 @@ pub struct AdvisoryLock {
 impl AdvisoryLock {
     /// Takes `key` without waiting; `Ok(None)` when another session holds it.
     pub async fn try_acquire(
-        config: &tokio_postgres::Config,
+        endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
-        Self::acquire(config, key, holder, None).await
+        Self::acquire(endpoint, key, holder, None).await
     }
 
     /// Takes `key`, waiting up to `wait` for its holder to let go (e.g. a
     /// session of this process that is still ending); `Ok(None)` when it is
     /// still held then.
     pub async fn acquire_within(
-        config: &tokio_postgres::Config,
+        endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
         wait: std::time::Duration,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
-        Self::acquire(config, key, holder, Some(wait)).await
+        Self::acquire(endpoint, key, holder, Some(wait)).await
     }
 
     async fn acquire(
-        config: &tokio_postgres::Config,
+        endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
         wait: Option<std::time::Duration>,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
-        let mut config = config.clone();
-        config.application_name(session_name(key, holder));
-        let (client, session_ended) = super::connect_watched(&config).await?;
+        let endpoint = endpoint.with_application_name(&session_name(key, holder));
+        let (client, session_ended) = endpoint.connect_watched().await?;
         // Registered before it may hold the lock, so that no other task of
         // this process takes it for an orphan meanwhile.
         let pid: i32 = client
