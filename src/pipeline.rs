@@ -494,10 +494,7 @@ impl RunRecord {
 /// Whether the run still holds its lock, as the server sees it. When the
 /// server no longer sees the lock's session holding it, waits (bounded) for
 /// the keeper's verdict: the lock taken again, or lost for good.
-async fn still_holds(
-    client: &impl deadpool_postgres::GenericClient,
-    lock: &LockHolder,
-) -> Result<bool, DbError> {
+async fn still_holds(client: &impl crate::db::Sql, lock: &LockHolder) -> Result<bool, DbError> {
     let mut lock = lock.clone();
     let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
     loop {

@@ -2,6 +2,7 @@
 //! order, once, under an advisory lock so that instances starting together
 //! do not race.
 
+use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 
 use super::{advisory, DbError};
@@ -98,8 +99,11 @@ pub struct MigrationReport {
 /// wait on the lock and then find nothing left to do.
 pub async fn migrate(client: &mut Client) -> Result<MigrationReport, DbError> {
     let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&advisory::MIGRATIONS])
-        .await?;
+    tx.execute_typed(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[(&advisory::MIGRATIONS, Type::INT8)],
+    )
+    .await?;
     tx.batch_execute(
         "CREATE TABLE IF NOT EXISTS newsnack_migration (
              version    integer PRIMARY KEY,
@@ -109,7 +113,7 @@ pub async fn migrate(client: &mut Client) -> Result<MigrationReport, DbError> {
     )
     .await?;
     let done: Vec<i32> = tx
-        .query(
+        .query_typed(
             "SELECT version FROM newsnack_migration ORDER BY version",
             &[],
         )
@@ -128,9 +132,12 @@ pub async fn migrate(client: &mut Client) -> Result<MigrationReport, DbError> {
     let mut applied = Vec::new();
     for migration in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
         tx.batch_execute(migration.sql).await?;
-        tx.execute(
+        tx.execute_typed(
             "INSERT INTO newsnack_migration (version, name) VALUES ($1, $2)",
-            &[&migration.version, &migration.name],
+            &[
+                (&migration.version, Type::INT4),
+                (&migration.name, Type::TEXT),
+            ],
         )
         .await?;
         applied.push(migration.version);

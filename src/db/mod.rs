@@ -42,6 +42,46 @@ impl DbPool {
     }
 }
 
+/// What a statement runs on: a session, pooled or not, or a transaction.
+///
+/// Every statement goes out unnamed, parsed, bound and run in one round
+/// trip (`query_typed`, with its parameters' types given): nothing is left
+/// on the server's session between transactions, so a transaction pooler
+/// (PgBouncer in transaction mode) may run each transaction on another
+/// server session.
+pub trait Sql: Sync {
+    type On: tokio_postgres::GenericClient + Sync;
+    fn sql(&self) -> &Self::On;
+}
+
+impl Sql for tokio_postgres::Client {
+    type On = Self;
+    fn sql(&self) -> &Self {
+        self
+    }
+}
+
+impl Sql for tokio_postgres::Transaction<'_> {
+    type On = Self;
+    fn sql(&self) -> &Self {
+        self
+    }
+}
+
+impl Sql for deadpool_postgres::Client {
+    type On = tokio_postgres::Client;
+    fn sql(&self) -> &tokio_postgres::Client {
+        self
+    }
+}
+
+impl<'a> Sql for deadpool_postgres::Transaction<'a> {
+    type On = tokio_postgres::Transaction<'a>;
+    fn sql(&self) -> &tokio_postgres::Transaction<'a> {
+        self
+    }
+}
+
 /// Errors from talking to PostgreSQL.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
