@@ -80,6 +80,7 @@ async fn main() {
         EmbeddedPostgres::start(&EmbeddedOptions {
             durable,
             settings: vec![("max_connections".into(), "300".into())],
+            ..EmbeddedOptions::default()
         })
     })
     .await

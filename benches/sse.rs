@@ -115,6 +115,7 @@ async fn bench() {
         EmbeddedPostgres::start(&EmbeddedOptions {
             durable: true,
             settings: vec![("max_connections".into(), "100".into())],
+            ..EmbeddedOptions::default()
         })
     })
     .await

@@ -53,6 +53,7 @@ async fn main() {
         EmbeddedPostgres::start(&EmbeddedOptions {
             durable: true,
             settings: vec![("max_connections".into(), "100".into())],
+            ..EmbeddedOptions::default()
         })
     })
     .await

@@ -259,6 +259,28 @@ async fn open(database: &db::Database) -> Result<DbPool, CliError> {
     Ok(pool)
 }
 
+/// Starts the listener of a command that follows transitions. Fails, with
+/// the reason, when notifications do not reach it (a transaction pooler in
+/// the way) rather than waiting in silence.
+async fn listen(
+    database: &db::Database,
+    pool: DbPool,
+    shutdown: &CancellationToken,
+) -> Result<crate::listener::TransitionHub, CliError> {
+    let (hub, _task) = Listener::start(
+        database.direct.clone(),
+        pool,
+        ListenerOptions::default(),
+        shutdown.clone(),
+    )
+    .await?;
+    let status = hub.status().borrow().clone();
+    match status.problem {
+        Some(problem) if !status.connected => Err(CliError::Failed(problem)),
+        _ => Ok(hub),
+    }
+}
+
 async fn serve(
     url: Option<String>,
     direct: Option<String>,
@@ -319,13 +341,7 @@ async fn tail(database: &db::Database, args: TailArgs) -> Result<ExitCode, CliEr
     let pool = open(database).await?;
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
-    let (hub, _listener) = Listener::start(
-        database.direct.clone(),
-        pool,
-        ListenerOptions::default(),
-        shutdown.clone(),
-    )
-    .await?;
+    let hub = listen(database, pool, &shutdown).await?;
     let start = hub.starting_point(args.since).await;
     if let Some(requested) = start.beyond_log {
         eprintln!(
@@ -550,13 +566,7 @@ async fn wait(
     let settings = Settings::load(&pool).await?;
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
-    let (hub, _listener) = Listener::start(
-        database.direct.clone(),
-        pool,
-        ListenerOptions::default(),
-        shutdown.clone(),
-    )
-    .await?;
+    let hub = listen(database, pool, &shutdown).await?;
     let request = crate::wait::WaitRequest {
         issue_ids: ids,
         timeout: timeout

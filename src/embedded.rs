@@ -43,6 +43,14 @@ pub struct EmbeddedOptions {
     pub durable: bool,
     /// Extra `-c name=value` server settings.
     pub settings: Vec<(String, String)>,
+    /// Files written into the data directory before the server first
+    /// starts, readable by the server only (a certificate and its key).
+    pub files: Vec<(String, Vec<u8>)>,
+    /// `pg_hba.conf`, replacing initdb's (which trusts every local
+    /// connection).
+    pub pg_hba: Option<String>,
+    /// The superuser's password, for a `pg_hba.conf` that asks for one.
+    pub superuser_password: Option<String>,
 }
 
 impl Default for EmbeddedOptions {
@@ -50,6 +58,9 @@ impl Default for EmbeddedOptions {
         EmbeddedOptions {
             durable: true,
             settings: vec![("max_connections".into(), "200".into())],
+            files: Vec::new(),
+            pg_hba: None,
+            superuser_password: None,
         }
     }
 }
@@ -145,6 +156,14 @@ impl EmbeddedPostgres {
         let log_path = dir.path().join(SERVER_LOG);
 
         let mut initdb = Command::new(bin.join("initdb"));
+        if let Some(password) = &options.superuser_password {
+            let pwfile = dir.path().join("superuser.pw");
+            std::fs::write(&pwfile, password)?;
+            if let Some((uid, gid)) = run_as {
+                std::os::unix::fs::chown(&pwfile, Some(uid), Some(gid))?;
+            }
+            initdb.arg(format!("--pwfile={}", pwfile.display()));
+        }
         initdb
             .arg("-D")
             .arg(&data)
@@ -168,6 +187,26 @@ impl EmbeddedPostgres {
             });
         }
 
+        let _ = std::fs::remove_file(dir.path().join("superuser.pw"));
+        let server_files = options
+            .files
+            .iter()
+            .map(|(name, contents)| (name.as_str(), contents.as_slice()))
+            .chain(
+                options
+                    .pg_hba
+                    .as_deref()
+                    .map(|hba| ("pg_hba.conf", hba.as_bytes())),
+            );
+        for (name, contents) in server_files {
+            use std::os::unix::fs::PermissionsExt;
+            let path = data.join(name);
+            std::fs::write(&path, contents)?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+            if let Some((uid, gid)) = run_as {
+                std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
+            }
+        }
         let launch = Launch {
             bin,
             run_as,
@@ -331,8 +370,10 @@ fn as_user(command: &mut Command, run_as: Option<(u32, u32)>) {
     }
 }
 
-/// `None` when not root; the `postgres` user's ids when root.
-fn unprivileged_user() -> Result<Option<(u32, u32)>, EmbeddedError> {
+/// Who the embedded server runs as: `None` when not root (the current
+/// user), the `postgres` user's ids when root. Also for other servers a
+/// test starts beside it (a connection pooler that refuses root).
+pub fn unprivileged_user() -> Result<Option<(u32, u32)>, EmbeddedError> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Ok(None);

@@ -759,12 +759,14 @@ impl Listener {
                     return Ok(early)
                 }
                 Ok(Some(note)) => early.push(note),
-                Ok(None) => return Err("the listening session closed".into()),
+                Ok(None) => {
+                    return Err(format!(
+                        "the listening session closed before a notification sent through the database URL reached it: {POOLER_HINT}"
+                    ))
+                }
                 Err(_) => {
                     return Err(format!(
-                        "a notification sent through the database URL did not reach the listening session within {:?}: \
-                         if DATABASE_URL goes through a transaction pooler (PgBouncer, RDS Proxy, Supavisor), \
-                         set NEWSNACK_DIRECT_DATABASE_URL to a URL that reaches PostgreSQL directly",
+                        "a notification sent through the database URL did not reach the listening session within {:?}: {POOLER_HINT}",
                         self.options.probe_timeout
                     ))
                 }
@@ -772,6 +774,11 @@ impl Listener {
         }
     }
 }
+
+/// What to do when notifications do not reach the listener.
+const POOLER_HINT: &str =
+    "if DATABASE_URL goes through a transaction pooler (PgBouncer, RDS Proxy, \
+     Supavisor), set NEWSNACK_DIRECT_DATABASE_URL to a URL that reaches PostgreSQL directly";
 
 /// Whether a `SELECT pg_is_in_recovery()` said true.
 fn in_recovery(rows: &[tokio_postgres::SimpleQueryMessage]) -> bool {

@@ -215,6 +215,7 @@ async fn own_cluster() -> EmbeddedPostgres {
         EmbeddedPostgres::start(&EmbeddedOptions {
             durable: false,
             settings: vec![("max_connections".into(), "100".into())],
+            ..EmbeddedOptions::default()
         })
     })
     .await

@@ -410,24 +410,39 @@ async fn the_deciding_raw_sql_commit_resolves_the_wait_without_any_query_in_betw
         .unwrap();
     // Every statement in this database except this count itself and the
     // transition trigger's own statements (which run inside the UPDATE's
-    // commit and are counted separately by pg_stat_statements).
-    let count = "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
-          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND query NOT LIKE '%pg_stat_statements%'
-            AND query NOT LIKE 'SELECT pg_advisory_xact_lock%'
-            AND query NOT LIKE 'SELECT pg_notify%'
-            AND query NOT LIKE 'INSERT INTO issue_transition%'";
-    let before: i64 = sql.query_one(count, &[]).await.unwrap().get(0);
+    // commit and are counted separately by pg_stat_statements), and the
+    // listener's reads of the log, counted on their own.
+    let count = |what: &str| {
+        format!(
+            "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                AND query NOT LIKE '%pg_stat_statements%'
+                AND query NOT LIKE 'SELECT pg_advisory_xact_lock%'
+                AND query NOT LIKE 'SELECT pg_notify%'
+                AND query NOT LIKE 'INSERT INTO issue_transition%'
+                AND {what} (query = '{}')",
+            newsnack::db::transition::READ_AFTER.replace('\'', "''")
+        )
+    };
+    let (others, log_reads) = (count("NOT"), count(""));
+    let others_before: i64 = sql.query_one(&others, &[]).await.unwrap().get(0);
+    let reads_before: i64 = sql.query_one(&log_reads, &[]).await.unwrap().get(0);
     let cancel = CancellationToken::new();
     let waiting = tokio::spawn(async move { armed.outcome(&cancel).await });
     set_status(&sql, ids[0], "DONE").await;
     let report = within(30, "the wait", waiting).await.unwrap().unwrap();
-    let after: i64 = sql.query_one(count, &[]).await.unwrap().get(0);
+    let others_after: i64 = sql.query_one(&others, &[]).await.unwrap().get(0);
+    let reads_after: i64 = sql.query_one(&log_reads, &[]).await.unwrap().get(0);
     assert_eq!(report.outcome, WaitOutcome::AllPass);
     assert_eq!(
-        after - before,
+        others_after - others_before,
         1,
         "only the raw UPDATE ran: the wait issued no query"
+    );
+    assert_eq!(
+        reads_after - reads_before,
+        1,
+        "the listener read the log once, on the doorbell"
     );
     stop.cancel();
 }

@@ -8,8 +8,10 @@
 pub mod audit;
 pub mod fake_llm;
 pub mod gate;
+pub mod pgbouncer;
 pub mod process;
 pub mod subscribers;
+pub mod tls;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -69,6 +71,7 @@ fn server() -> &'static Server {
                     "pg_stat_statements".into(),
                 ),
             ],
+            ..EmbeddedOptions::default()
         };
         let cluster = EmbeddedPostgres::start(&options).expect("start the test cluster");
         let server = Server {
@@ -389,6 +392,24 @@ pub async fn until_sql(db: &TestDb, hub: &TransitionHub, secs: u64, sql: &str) {
             }
             // Re-check on the next transition (or a lag notice).
             let _ = live.recv().await;
+        }
+    })
+    .await
+}
+
+/// Waits until `check` (a query returning one boolean) is true, asking
+/// every 50 ms: for a state no transition announces (a lock taken, a
+/// session opened). Fails after `secs` seconds.
+pub async fn until_sql_polled(db: &TestDb, secs: u64, sql: &str) {
+    within(secs, sql, async {
+        loop {
+            let client = db.pool.get().await.unwrap();
+            let done: bool = client.query_one(sql, &[]).await.unwrap().get(0);
+            drop(client);
+            if done {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await
