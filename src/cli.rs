@@ -11,6 +11,7 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::issue::{ClaimScope, NewIssue};
+use crate::db::role::{self, RoleKind};
 use crate::db::{self, DbError, DbPool, PoolOptions};
 use crate::embedded::EmbeddedError;
 use crate::input::{self, InvalidInput};
@@ -86,6 +87,38 @@ pub enum Command {
     RunPipeline,
     /// List the advisory locks held in the database and who holds them.
     Locks,
+    /// Give an existing role least privilege on newsnack's schema, for
+    /// another system to connect as. Takes away whatever else the role held
+    /// on newsnack's tables, sequences and schema first, so it also turns a
+    /// writer into a reader. Run as the owner of newsnack's tables; prints
+    /// what the role may now do as JSON.
+    Grant {
+        /// What the role may do.
+        #[arg(value_enum)]
+        kind: GrantKind,
+        /// An existing role (CREATE ROLE ... LOGIN), not a superuser nor
+        /// the owner.
+        role: String,
+    },
+}
+
+/// The kinds of role `grant` makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GrantKind {
+    /// Read every table; add issues; change an issue's processing_status,
+    /// title, body, score and collected_at.
+    Writer,
+    /// Read every table; nothing else.
+    Reader,
+}
+
+impl From<GrantKind> for RoleKind {
+    fn from(kind: GrantKind) -> Self {
+        match kind {
+            GrantKind::Writer => RoleKind::Writer,
+            GrantKind::Reader => RoleKind::Reader,
+        }
+    }
 }
 
 /// Exit code of `wait` and `run-pipeline` when the outcome is skip.
@@ -189,6 +222,8 @@ pub enum CliError {
     Serve(#[from] crate::serve::ServeError),
     #[error(transparent)]
     Writer(#[from] crate::writer::WriterConfigError),
+    #[error(transparent)]
+    Grant(#[from] role::GrantError),
     #[error("{0}")]
     Failed(String),
 }
@@ -214,6 +249,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Wait { ids, timeout, min } => wait(&required(url)?, ids, timeout, min).await,
         Command::RunPipeline => run_pipeline(&required(url)?).await,
         Command::Locks => locks(&required(url)?).await,
+        Command::Grant { kind, role } => grant(&required(url)?, kind.into(), &role).await,
     }
 }
 
@@ -627,5 +663,31 @@ async fn locks(url: &str) -> Result<ExitCode, CliError> {
             lock.client.unwrap_or_else(|| "local".into()),
         );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn grant(url: &str, kind: RoleKind, name: &str) -> Result<ExitCode, CliError> {
+    let config = db::pg_config(url, "newsnack-grant")?;
+    let mut client = db::connect(&config).await?;
+    let report = role::grant(&mut client, kind, name).await?;
+    for warning in &report.warnings {
+        eprintln!("newsnack: warning: {warning}");
+    }
+    let (insert, update): (&[&str], &[&str]) = match kind {
+        RoleKind::Writer => (role::WRITER_INSERT_COLUMNS, role::WRITER_UPDATE_COLUMNS),
+        RoleKind::Reader => (&[], &[]),
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "role": report.role,
+            "kind": kind.as_str(),
+            "schema": report.schema,
+            "select": report.tables,
+            "insert_issue": insert,
+            "update_issue": update,
+            "sql": report.statements,
+        })
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -7,6 +7,7 @@ pub mod dashboard;
 pub mod issue;
 pub mod migrate;
 pub mod pipeline_run;
+pub mod role;
 pub mod setting;
 pub mod transition;
 
