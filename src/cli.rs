@@ -87,11 +87,13 @@ pub enum Command {
     RunPipeline,
     /// List the advisory locks held in the database and who holds them.
     Locks,
-    /// Give an existing role least privilege on newsnack's schema, for
-    /// another system to connect as. Takes away whatever else the role held
-    /// on newsnack's tables, sequences and schema first, so it also turns a
-    /// writer into a reader. Run as the owner of newsnack's tables; prints
-    /// what the role may now do as JSON.
+    /// Give another system's role least privilege: writer or reader.
+    ///
+    /// Takes away whatever else the role held on newsnack's tables,
+    /// sequences and schema first, so it also turns a writer into a reader;
+    /// refuses (changing nothing) a role privileges cannot restrict. Run as
+    /// the owner of newsnack's tables; prints what the role may now do as
+    /// JSON. The SQL it runs is in docs/sql.md ("Roles").
     Grant {
         /// What the role may do.
         #[arg(value_enum)]

@@ -1348,3 +1348,31 @@ async fn a_schema_of_its_own_is_the_one_the_rules_name() {
     assert_eq!(logged, 2);
     assert!((50.0..=61.0).contains(&lease), "{lease}");
 }
+
+/// docs/sql.md shows, literally, what `grant writer etl` runs (and a
+/// reader gets its first five statements).
+#[tokio::test]
+async fn the_documented_grant_is_what_grant_runs() {
+    let docs = include_str!("../docs/sql.md");
+    let block = docs
+        .split("<!-- grant writer etl -->\n```sql\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("docs/sql.md has the grant block");
+    let documented: Vec<String> = block
+        .lines()
+        .map(|line| line.trim_end_matches(';').to_string())
+        .collect();
+    let owned = Owned::new().await;
+    let role = owned.role("etl").await;
+    let as_etl = |statements: Vec<String>| -> Vec<String> {
+        statements
+            .into_iter()
+            .map(|s| s.replace(&role, "etl"))
+            .collect()
+    };
+    let writer = owned.grant(RoleKind::Writer, &role).await.unwrap();
+    assert_eq!(as_etl(writer.statements), documented);
+    let reader = owned.grant(RoleKind::Reader, &role).await.unwrap();
+    assert_eq!(as_etl(reader.statements), documented[..5]);
+}
