@@ -14,15 +14,21 @@
 -- Now every trigger function is SECURITY DEFINER: it runs as the role that
 -- owns it (the one that ran the migrations), so a writer that may only
 -- update a few columns of `issue` still gets its transitions checked,
--- logged and announced. Each has a fixed search_path (this schema, then
--- pg_temp: pg_catalog is searched first and temp objects last) and names
--- every table, sequence, type and function of this schema with the schema,
--- so nothing the caller creates (in a schema of its own, in pg_temp, or by
--- putting its own schema before pg_catalog) can stand in for them, down to
--- the operators. `@extschema@` is the schema the migration runs in
--- (`current_schema()`, quoted), put in by `newsnack migrate`. EXECUTE on
--- the trigger functions is taken from PUBLIC: triggers fire without it, and
--- nobody needs to call them.
+-- logged and announced. Each names every table, sequence, type and
+-- function of this schema with the schema (`@extschema@`, the schema the
+-- migration runs in, `current_schema()` quoted, put in by `newsnack
+-- migrate`), and runs with `search_path = pg_catalog, pg_temp`: built-in
+-- functions, operators and types come from pg_catalog, pg_temp comes last,
+-- and nothing the caller creates (in a schema of its own, in pg_temp, or
+-- in this very schema) can stand in for anything. This schema
+-- stays off the path on purpose: before PostgreSQL 15 every role may
+-- create objects in `public` by default, and a `public.nextval(text)` or
+-- `public.json_build_object(..)` there would be a better match for the
+-- rules' calls than the built-in ones (checked: a claim then drew the
+-- token -42 and the notification carried the creator's payload, while the
+-- rules ran with the owner's rights). EXECUTE on the trigger functions is
+-- taken from PUBLIC: triggers fire without it, and nobody needs to call
+-- them.
 --
 -- The helpers stay SECURITY INVOKER and callable by anyone
 -- (`issue_transition_is_legal`, `newsnack_lease_seconds`,
@@ -60,12 +66,12 @@ CREATE OR REPLACE FUNCTION @extschema@.newsnack_lease_seconds() RETURNS integer 
 $$;
 
 -- The body is as in 0007; it names nothing of this schema.
-ALTER FUNCTION @extschema@.newsnack_schedule_problem(text) SET search_path = @extschema@, pg_temp;
+ALTER FUNCTION @extschema@.newsnack_schedule_problem(text) SET search_path = pg_catalog, pg_temp;
 
 -- The issue triggers.
 
 CREATE OR REPLACE FUNCTION @extschema@.issue_before_insert() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF NEW.processing_status IS DISTINCT FROM 'PENDING' THEN
         RAISE EXCEPTION 'a new issue must start PENDING, not %', NEW.processing_status
@@ -81,7 +87,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION @extschema@.issue_before_update() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF NEW.processing_status IS NOT DISTINCT FROM OLD.processing_status THEN
         -- Not a transition. Only a live claim's lease and holder may move.
@@ -155,7 +161,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION @extschema@.issue_transition_record() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     logged @extschema@.issue_transition;
     open_for interval;
@@ -202,7 +208,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION @extschema@.issue_announce_removal() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM pg_notify('issue_removed', TG_OP);
     RETURN NULL;
@@ -211,7 +217,7 @@ $$;
 
 -- `removed` is the statement's transition table, which no schema holds.
 CREATE OR REPLACE FUNCTION @extschema@.issue_announce_deletion() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF EXISTS (SELECT 1 FROM removed) THEN
         PERFORM pg_notify('issue_removed', TG_OP);
@@ -223,7 +229,7 @@ $$;
 -- The setting triggers.
 
 CREATE OR REPLACE FUNCTION @extschema@.setting_validate() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     spec @extschema@.setting_spec;
     parsed numeric;
@@ -261,7 +267,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION @extschema@.setting_announce() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM pg_notify('setting_changed', COALESCE(NEW.key, OLD.key));
     RETURN NULL;
@@ -269,7 +275,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION @extschema@.setting_announce_truncation() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = @extschema@, pg_temp AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     PERFORM pg_notify('setting_changed', '*');
     RETURN NULL;

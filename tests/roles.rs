@@ -792,6 +792,59 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
     assert!(shadowed >= 11);
 }
 
+/// Before PostgreSQL 15 every role may create objects in `public` by
+/// default. A writer's functions there that match the rules' calls better
+/// than the built-in ones (an untyped literal prefers `text` to
+/// `regclass`, concrete types beat `"any"` and an integer beats a cast to
+/// double precision) would be picked by a rule that had `public` on its
+/// path, and run with the owner's rights; the rules keep it off.
+#[tokio::test]
+async fn a_writer_that_may_create_in_public_cannot_take_over_the_rules() {
+    let owned = Owned::new().await;
+    let writer = owned.role("writer").await;
+    owned
+        .admin()
+        .await
+        .batch_execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
+        .await
+        .unwrap();
+    let report = owned.grant(RoleKind::Writer, &writer).await.unwrap();
+    assert_eq!(report.warnings.len(), 1, "{:?}", report.warnings);
+    let w = owned.connect_as(&writer).await;
+    w.batch_execute(
+        "CREATE FUNCTION public.nextval(text) RETURNS bigint LANGUAGE sql AS 'SELECT -42::bigint';
+         CREATE FUNCTION public.make_interval(secs integer) RETURNS interval
+             LANGUAGE sql AS $$SELECT interval '1 day'$$;
+         CREATE FUNCTION public.json_build_object(text, bigint, text, bigint, text, text, text,
+             text, text, timestamptz, text, integer, text, boolean) RETURNS json
+             LANGUAGE sql AS $$SELECT '{\"forged\": true}'::json$$;
+         CREATE FUNCTION public.current_setting(text, boolean) RETURNS text
+             LANGUAGE sql AS 'SELECT NULL::text';",
+    )
+    .await
+    .unwrap();
+    // They are what a session with `public` on its path gets.
+    let picked: i64 = w
+        .query_one("SELECT nextval('public.issue_claim_id_seq')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(picked, -42);
+
+    let mut listening = owned.listen_as(&owned.owner).await;
+    let id = add_issue(&w, "Tempting").await;
+    listening.transition().await;
+    let (lease, token) = claim(&w, id).await;
+    assert!((50.0..=61.0).contains(&lease), "{lease}");
+    assert!(token > 0, "{token}");
+    let note = listening.transition().await;
+    assert_eq!(
+        (note["issue_id"].as_i64(), note["to"].as_str()),
+        (Some(id), Some("IN_PROGRESS")),
+        "{note}"
+    );
+}
+
 /// The same attack before migration 15 works, so the test above can fail:
 /// a role with full rights on the tables and a schema of its own moves an
 /// issue out of DONE, hides the log row in a temp table and claims with a
@@ -989,7 +1042,7 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
         )
         .await
         .unwrap();
-    let fixed = Some(vec!["search_path=public, pg_temp".to_string()]);
+    let fixed = Some(vec!["search_path=pg_catalog, pg_temp".to_string()]);
     let mut triggers = 0;
     for row in &rows {
         let (name, definer, config, trigger, public_may_call): (
@@ -1313,7 +1366,7 @@ async fn a_schema_of_its_own_is_the_one_the_rules_name() {
         .get(0);
     assert_eq!(
         config,
-        Some(vec!["search_path=\"News Snack\", pg_temp".to_string()])
+        Some(vec!["search_path=pg_catalog, pg_temp".to_string()])
     );
 
     let mut listening = owned.listen_as(&owned.owner).await;

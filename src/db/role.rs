@@ -190,8 +190,9 @@ pub async fn grant(
     if facts.public_may_create {
         warnings.push(format!(
             "PUBLIC may create objects in schema {:?} (the default for `public` before \
-             PostgreSQL 15), so {role:?} can too; the owner can take that away with \
-             REVOKE CREATE ON SCHEMA {} FROM PUBLIC",
+             PostgreSQL 15), so {role:?} can too, and a function it creates there can take \
+             the place of a built-in one in other sessions' unqualified SQL; the owner can \
+             take that away with REVOKE CREATE ON SCHEMA {} FROM PUBLIC",
             facts.schema, facts.quoted_schema
         ));
     }
