@@ -854,6 +854,16 @@ async fn a_writer_that_may_create_in_public_cannot_take_over_the_rules() {
 async fn before_migration_15_the_caller_could_bend_the_rules() {
     let owned = Owned::at_version(Some(14)).await;
     let attacker = owned.role("attacker").await;
+    // grant needs the rules of migration 15.
+    let err = owned.grant(RoleKind::Writer, &attacker).await.unwrap_err();
+    let newest = newsnack::db::migrate::MIGRATIONS.last().unwrap().version;
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "schema \"public\" is not at newsnack's schema version {newest} (version 14); \
+             run `newsnack migrate` first"
+        )
+    );
     let owner = owned.owner().await;
     owner
         .batch_execute(&format!(

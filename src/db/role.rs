@@ -70,7 +70,7 @@ pub enum GrantError {
     )]
     NoSchema,
     #[error(
-        "schema {schema:?} holds no newsnack schema at version {needed} (found {found}); run `newsnack migrate` first"
+        "schema {schema:?} is not at newsnack's schema version {needed} ({found}); run `newsnack migrate` first"
     )]
     NotMigrated {
         schema: String,
