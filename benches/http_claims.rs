@@ -298,11 +298,11 @@ fn windows(ids: &[i64]) -> Vec<Vec<i64>> {
 }
 
 async fn bench_pool(url: &str, size: usize) -> DbPool {
-    let config = db::pg_config(url, "newsnack-bench").unwrap();
-    let mut migrator = db::connect(&config).await.unwrap();
+    let endpoint = db::Endpoint::parse(url, "newsnack-bench").unwrap();
+    let mut migrator = endpoint.connect().await.unwrap();
     db::migrate::migrate(&mut migrator).await.unwrap();
     db::pool(
-        config,
+        &endpoint,
         &PoolOptions {
             max_size: size,
             ..PoolOptions::default()
@@ -335,6 +335,7 @@ async fn start_service(url: &str, instance: &str) -> RunningService {
         ServeOptions {
             listen: "127.0.0.1:0".parse().unwrap(),
             database_url: Some(url.into()),
+            direct_database_url: None,
             instance: instance.into(),
             pool_size: SERVICE_POOL,
             grace: Duration::from_secs(5),

@@ -127,6 +127,7 @@ async fn bench() {
         ServeOptions {
             listen: "127.0.0.1:0".parse().unwrap(),
             database_url: Some(url.clone()),
+            direct_database_url: None,
             instance: "sse-bench".into(),
             pool_size: 16,
             grace: Duration::from_secs(5),

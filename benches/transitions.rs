@@ -65,11 +65,11 @@ async fn main() {
         .await
         .unwrap();
     let url = cluster.url("bench");
-    let config = db::pg_config(&url, "newsnack-bench").unwrap();
-    let mut migrator = db::connect(&config).await.unwrap();
+    let endpoint = db::Endpoint::parse(&url, "newsnack-bench").unwrap();
+    let mut migrator = endpoint.connect().await.unwrap();
     db::migrate::migrate(&mut migrator).await.unwrap();
     let pool = db::pool(
-        config,
+        &endpoint,
         &PoolOptions {
             max_size: CLIENTS + 2,
             ..PoolOptions::default()

@@ -4,8 +4,6 @@
 use serde::Serialize;
 use time::OffsetDateTime;
 
-use deadpool_postgres::GenericClient;
-
 use crate::db::{self, DbError};
 use crate::input::{self, InvalidInput};
 use crate::status::Status;
@@ -51,7 +49,7 @@ pub struct Assembled {
 /// (duplicates dropped), through `client` (a transaction, when the briefing
 /// must be published together with other writes).
 pub async fn assemble(
-    client: &impl GenericClient,
+    client: &impl crate::db::Sql,
     issue_ids: &[i64],
 ) -> Result<Assembled, AssembleError> {
     input::check_ids("issue_ids", issue_ids)?;

@@ -25,9 +25,22 @@ use crate::tail::{self, TailStyle};
 #[derive(Debug, Parser)]
 #[command(name = "newsnack", version, about, max_term_width = 100)]
 pub struct Cli {
-    /// PostgreSQL URL, e.g. postgres://user@localhost/newsnack.
+    /// PostgreSQL URL, e.g. postgres://user@localhost/newsnack
+    /// (libpq's sslmode, sslrootcert, sslcert and sslkey apply; sslmode
+    /// defaults to prefer). May point at a transaction pooler.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
+
+    /// A URL that reaches PostgreSQL directly (not through a transaction
+    /// pooler), for the listener and the advisory locks. Default: the
+    /// database URL.
+    #[arg(
+        long,
+        env = "NEWSNACK_DIRECT_DATABASE_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    pub direct_database_url: Option<String>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -233,25 +246,37 @@ pub enum CliError {
 /// Runs a parsed command line and returns the process exit code.
 pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     let url = cli.database_url.clone();
+    let direct = cli.direct_database_url.clone();
+    let database = |name: &str| -> Result<db::Database, CliError> {
+        let url = required(url.clone())?;
+        Ok(db::Database::parse(&url, direct.as_deref(), name)?)
+    };
     match cli.command {
-        Command::Serve(args) => serve(url, args).await,
+        Command::Serve(args) => serve(url, direct, args).await,
         Command::Demo => {
-            crate::demo::run(url.as_deref().filter(|u| !u.trim().is_empty()))
-                .await
-                .map_err(|e| CliError::Failed(e.to_string()))?;
+            crate::demo::run(
+                url.as_deref().filter(|u| !u.trim().is_empty()),
+                direct.as_deref(),
+            )
+            .await
+            .map_err(|e| CliError::Failed(e.to_string()))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Migrate => migrate(&required(url)?).await,
-        Command::Tail(args) => tail(&required(url)?, args).await,
-        Command::Claim { ids } => claim(&required(url)?, &ids).await,
-        Command::Status => status(&required(url)?).await,
-        Command::Issues(cmd) => issues(&required(url)?, cmd).await,
-        Command::Retry { ids } => retry(&required(url)?, &ids).await,
-        Command::Settings(cmd) => settings(&required(url)?, cmd).await,
-        Command::Wait { ids, timeout, min } => wait(&required(url)?, ids, timeout, min).await,
-        Command::RunPipeline => run_pipeline(&required(url)?).await,
-        Command::Locks => locks(&required(url)?).await,
-        Command::Grant { kind, role } => grant(&required(url)?, kind.into(), &role).await,
+        Command::Migrate => migrate(&database("newsnack-migrate")?).await,
+        Command::Tail(args) => tail(&database("newsnack-cli")?, args).await,
+        Command::Claim { ids } => claim(&database("newsnack-cli")?, &ids).await,
+        Command::Status => status(&database("newsnack-cli")?).await,
+        Command::Issues(cmd) => issues(&database("newsnack-cli")?, cmd).await,
+        Command::Retry { ids } => retry(&database("newsnack-cli")?, &ids).await,
+        Command::Settings(cmd) => settings(&database("newsnack-cli")?, cmd).await,
+        Command::Wait { ids, timeout, min } => {
+            wait(&database("newsnack-cli")?, ids, timeout, min).await
+        }
+        Command::RunPipeline => run_pipeline(&database("newsnack-cli")?).await,
+        Command::Locks => locks(&database("newsnack-cli")?).await,
+        Command::Grant { kind, role } => {
+            grant(&database("newsnack-grant")?, kind.into(), &role).await
+        }
     }
 }
 
@@ -262,25 +287,29 @@ fn required(url: Option<String>) -> Result<String, CliError> {
 
 /// A small pool for a one-shot command, checked by taking one connection so
 /// a dead URL fails here with the server's reason.
-async fn open(url: &str) -> Result<(DbPool, tokio_postgres::Config), CliError> {
-    let config = db::pg_config(url, "newsnack-cli")?;
+async fn open(database: &db::Database) -> Result<DbPool, CliError> {
     let pool = db::pool(
-        config.clone(),
+        &database.pooled,
         &PoolOptions {
             max_size: 4,
             wait_timeout: Duration::from_secs(10),
         },
     )?;
     drop(pool.get().await.map_err(DbError::from)?);
-    Ok((pool, config))
+    Ok(pool)
 }
 
-async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliError> {
+async fn serve(
+    url: Option<String>,
+    direct: Option<String>,
+    args: ServeArgs,
+) -> Result<ExitCode, CliError> {
     let writer = crate::writer::build(&crate::writer::WriterConfig::from_env()?)?;
     tracing::info!(writer = writer.name(), "writer ready");
     let options = crate::serve::ServeOptions {
         listen: args.listen,
         database_url: url.filter(|u| !u.trim().is_empty()),
+        direct_database_url: direct.filter(|u| !u.trim().is_empty()),
         instance: args
             .instance
             .unwrap_or_else(crate::serve::default_instance_name),
@@ -312,9 +341,8 @@ async fn serve(url: Option<String>, args: ServeArgs) -> Result<ExitCode, CliErro
     Ok(ExitCode::SUCCESS)
 }
 
-async fn migrate(url: &str) -> Result<ExitCode, CliError> {
-    let config = db::pg_config(url, "newsnack-migrate")?;
-    let mut client = db::connect(&config).await?;
+async fn migrate(database: &db::Database) -> Result<ExitCode, CliError> {
+    let mut client = database.pooled.connect().await?;
     let report = db::migrate::migrate(&mut client).await?;
     if report.applied.is_empty() {
         println!("schema is up to date (version {})", report.current);
@@ -327,12 +355,17 @@ async fn migrate(url: &str) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn tail(url: &str, args: TailArgs) -> Result<ExitCode, CliError> {
-    let (pool, config) = open(url).await?;
+async fn tail(database: &db::Database, args: TailArgs) -> Result<ExitCode, CliError> {
+    let pool = open(database).await?;
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
-    let (hub, _listener) =
-        Listener::start(config, pool, ListenerOptions::default(), shutdown.clone()).await?;
+    let (hub, _listener) = Listener::start(
+        database.direct.clone(),
+        pool,
+        ListenerOptions::default(),
+        shutdown.clone(),
+    )
+    .await?;
     let start = hub.starting_point(args.since).await;
     if let Some(requested) = start.beyond_log {
         eprintln!(
@@ -372,9 +405,9 @@ async fn tail(url: &str, args: TailArgs) -> Result<ExitCode, CliError> {
     }
 }
 
-async fn claim(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
+async fn claim(database: &db::Database, ids: &[i64]) -> Result<ExitCode, CliError> {
     input::check_ids("ids", ids)?;
-    let (pool, _) = open(url).await?;
+    let pool = open(database).await?;
     let settings = Settings::load(&pool).await?;
     let client = pool.get().await.map_err(DbError::from)?;
     let worker = format!("cli:{}", std::process::id());
@@ -397,8 +430,8 @@ async fn claim(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
     })
 }
 
-async fn status(url: &str) -> Result<ExitCode, CliError> {
-    let (pool, _) = open(url).await?;
+async fn status(database: &db::Database) -> Result<ExitCode, CliError> {
+    let pool = open(database).await?;
     let client = pool.get().await.map_err(DbError::from)?;
     let counts = db::issue::count_by_status(&client).await?;
     let total: i64 = counts.iter().map(|(_, n)| n).sum();
@@ -409,7 +442,7 @@ async fn status(url: &str) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn issues(url: &str, cmd: IssuesCommand) -> Result<ExitCode, CliError> {
+async fn issues(database: &db::Database, cmd: IssuesCommand) -> Result<ExitCode, CliError> {
     match cmd {
         IssuesCommand::Add {
             title,
@@ -429,14 +462,14 @@ async fn issues(url: &str, cmd: IssuesCommand) -> Result<ExitCode, CliError> {
                 _ => return Err(CliError::Failed("give either --title or --file".into())),
             };
             input::check_new_issues(&new)?;
-            let (pool, _) = open(url).await?;
+            let pool = open(database).await?;
             let client = pool.get().await.map_err(DbError::from)?;
             let ids = db::issue::insert_issues(&client, &new).await?;
             println!("{}", serde_json::json!({ "ids": ids }));
             Ok(ExitCode::SUCCESS)
         }
         IssuesCommand::Show { id } => {
-            let (pool, _) = open(url).await?;
+            let pool = open(database).await?;
             let client = pool.get().await.map_err(DbError::from)?;
             match db::issue::get_issue(&client, id).await? {
                 Some(issue) => {
@@ -483,9 +516,9 @@ fn read_issue_file(path: &std::path::Path) -> Result<Vec<NewIssue>, CliError> {
     Ok(list.into_iter().map(NewIssue::from).collect())
 }
 
-async fn retry(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
+async fn retry(database: &db::Database, ids: &[i64]) -> Result<ExitCode, CliError> {
     input::check_ids("ids", ids)?;
-    let (pool, _) = open(url).await?;
+    let pool = open(database).await?;
     let client = pool.get().await.map_err(DbError::from)?;
     let reset = db::issue::reset_failed(&client, ids).await?;
     let not_failed: Vec<i64> = ids
@@ -506,8 +539,8 @@ async fn retry(url: &str, ids: &[i64]) -> Result<ExitCode, CliError> {
     })
 }
 
-async fn settings(url: &str, cmd: SettingsCommand) -> Result<ExitCode, CliError> {
-    let (pool, _) = open(url).await?;
+async fn settings(database: &db::Database, cmd: SettingsCommand) -> Result<ExitCode, CliError> {
+    let pool = open(database).await?;
     let client = pool.get().await.map_err(DbError::from)?;
     match cmd {
         SettingsCommand::List => {
@@ -540,7 +573,7 @@ async fn settings(url: &str, cmd: SettingsCommand) -> Result<ExitCode, CliError>
 }
 
 async fn wait(
-    url: &str,
+    database: &db::Database,
     ids: Vec<i64>,
     timeout: Option<f64>,
     min: Option<usize>,
@@ -553,12 +586,17 @@ async fn wait(
             )));
         }
     }
-    let (pool, config) = open(url).await?;
+    let pool = open(database).await?;
     let settings = Settings::load(&pool).await?;
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
-    let (hub, _listener) =
-        Listener::start(config, pool, ListenerOptions::default(), shutdown.clone()).await?;
+    let (hub, _listener) = Listener::start(
+        database.direct.clone(),
+        pool,
+        ListenerOptions::default(),
+        shutdown.clone(),
+    )
+    .await?;
     let request = crate::wait::WaitRequest {
         issue_ids: ids,
         timeout: timeout
@@ -578,13 +616,13 @@ async fn wait(
     })
 }
 
-async fn run_pipeline(url: &str) -> Result<ExitCode, CliError> {
+async fn run_pipeline(database: &db::Database) -> Result<ExitCode, CliError> {
     let writer = crate::writer::build(&crate::writer::WriterConfig::from_env()?)?;
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
     let instance = format!("cli:{}", crate::serve::default_instance_name());
     let core = crate::serve::Core::start(
-        url,
+        database,
         &instance,
         8,
         writer,
@@ -640,9 +678,8 @@ async fn run_pipeline(url: &str) -> Result<ExitCode, CliError> {
     }
 }
 
-async fn locks(url: &str) -> Result<ExitCode, CliError> {
-    let config = db::pg_config(url, "newsnack-cli")?;
-    let client = db::connect(&config).await?;
+async fn locks(database: &db::Database) -> Result<ExitCode, CliError> {
+    let client = database.pooled.connect().await?;
     let held = db::advisory::held_locks(&client).await?;
     if held.is_empty() {
         println!("no advisory locks are held");
@@ -668,9 +705,9 @@ async fn locks(url: &str) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn grant(url: &str, kind: RoleKind, name: &str) -> Result<ExitCode, CliError> {
-    let config = db::pg_config(url, "newsnack-grant")?;
-    let mut client = db::connect(&config).await?;
+async fn grant(database: &db::Database, kind: RoleKind, name: &str) -> Result<ExitCode, CliError> {
+    // One transaction, like a migration: a transaction pooler may carry it.
+    let mut client = database.pooled.connect().await?;
     let report = role::grant(&mut client, kind, name).await?;
     for warning in &report.warnings {
         eprintln!("newsnack: warning: {warning}");

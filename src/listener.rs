@@ -1,19 +1,29 @@
 //! The one LISTEN connection of a process and the hub that fans its
 //! transitions out to any number of in-process subscribers.
 //!
-//! NOTIFY is the doorbell, `issue_transition` is the truth. The listener owns
-//! a dedicated connection outside the pool (a pool drives its connections
-//! itself and would drop notifications), drives it with `poll_message`, and
-//! publishes transitions strictly in `seq` order, each exactly once:
+//! NOTIFY is the doorbell, `issue_transition` is the truth. Anyone may send
+//! a notification on any channel, so a payload is never published: a
+//! notification that names a `seq` not yet published makes the listener
+//! read the log after the last published `seq`, and what the log holds is
+//! published, strictly in `seq` order, each exactly once. A forged
+//! notification thus reaches no subscriber and cannot make a real
+//! transition look like a repeat. Notifications already queued (a commit's
+//! transitions arrive together) are taken in one go, so one read serves
+//! them all.
 //!
-//! * a notification whose `seq` follows the last published one is published
-//!   straight from its payload;
-//! * any jump in `seq`, an unreadable payload, or a new session after a lost
-//!   one triggers a catch-up read of the log from the last published `seq`.
+//! The listener owns a dedicated session outside the pool (a pool drives
+//! its connections itself and would drop notifications), on the direct
+//! endpoint: through a transaction pooler a LISTEN outlives nothing. Each
+//! new session proves that notifications reach it: a NOTIFY sent through
+//! the pooled endpoint (the way the service's own transitions are
+//! committed) must arrive; until one does, the listener reports the problem
+//! and is not ready.
 //!
 //! A lost connection (network, `pg_terminate_backend`, server restart) is
-//! retried with capped exponential backoff; TCP keepalive plus a health query
-//! every few seconds make sure a half-open connection is noticed.
+//! retried with capped exponential backoff, then the log is read from the
+//! last published `seq`; TCP keepalive plus a health query every few
+//! seconds make sure a half-open connection, or a server that went into
+//! recovery (a demoted primary), is noticed.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -21,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
-use tokio_postgres::{AsyncMessage, Client, NoTls, Notification};
+use tokio_postgres::{AsyncMessage, Client, Notification};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, DbError, DbPool};
@@ -34,6 +44,8 @@ pub const TRANSITION_CHANNEL: &str = "issue_transition";
 pub const SETTINGS_CHANNEL: &str = "setting_changed";
 /// Notified when issues are deleted or truncated (migration 12).
 pub const REMOVAL_CHANNEL: &str = "issue_removed";
+/// The channel a new listening session proves delivery on.
+pub const PROBE_CHANNEL: &str = "newsnack_listener_probe";
 
 /// How the listener behaves; the defaults suit production.
 #[derive(Debug, Clone)]
@@ -48,6 +60,14 @@ pub struct ListenerOptions {
     /// Transitions buffered per subscriber before it lags and must re-read
     /// the log.
     pub capacity: usize,
+    /// How long a new session waits for its delivery probe.
+    pub probe_timeout: Duration,
+    /// Publishes a notification's payload as it comes, without reading the
+    /// log: what the listener did before payloads stopped being trusted.
+    /// Forgeable; kept only so a benchmark can measure what reading the
+    /// log costs against it in one run.
+    #[doc(hidden)]
+    pub trust_payloads: bool,
 }
 
 impl Default for ListenerOptions {
@@ -58,6 +78,8 @@ impl Default for ListenerOptions {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             capacity: 4096,
+            probe_timeout: Duration::from_secs(5),
+            trust_payloads: false,
         }
     }
 }
@@ -65,6 +87,7 @@ impl Default for ListenerOptions {
 /// What the listener is doing, for readiness checks and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ListenerStatus {
+    /// Listening, on a session that notifications were shown to reach.
     pub connected: bool,
     /// The PostgreSQL backend pid of the listening session.
     pub backend_pid: Option<i32>,
@@ -79,6 +102,10 @@ pub struct ListenerStatus {
     /// repeats and are not published until they pass `last_seq`; the
     /// instance reports not ready until it is restarted.
     pub log_ends_before: Option<i64>,
+    /// Why the listener cannot follow the log now, when it cannot: e.g.
+    /// notifications sent through the pooled endpoint do not reach its
+    /// session (a transaction pooler in the way).
+    pub problem: Option<String>,
 }
 
 /// Where a reader that asked to start after some `seq` starts (see
@@ -105,6 +132,8 @@ struct HubInner {
     settings_changed: watch::Receiver<u64>,
     issues_removed: watch::Receiver<i64>,
     pool: DbPool,
+    /// The listener's endpoint, to say how its session is protected.
+    direct: db::Endpoint,
     /// Stops the listener when the last hub is dropped.
     _stop_listener: tokio_util::sync::DropGuard,
 }
@@ -206,6 +235,11 @@ impl TransitionHub {
     pub fn pool(&self) -> &DbPool {
         &self.inner.pool
     }
+
+    /// The direct endpoint the listener's session comes from.
+    pub fn direct(&self) -> &db::Endpoint {
+        &self.inner.direct
+    }
 }
 
 /// When transitions were published, coarsely: marks of the newest `seq`
@@ -246,7 +280,10 @@ impl PublishTimes {
 
 /// The owner of the LISTEN connection.
 pub struct Listener {
-    config: tokio_postgres::Config,
+    /// The direct endpoint: LISTEN needs a session of its own.
+    endpoint: db::Endpoint,
+    /// The pooled endpoint, which delivery probes are sent through.
+    pooled: db::Endpoint,
     options: ListenerOptions,
     events: broadcast::Sender<Transition>,
     published: Arc<PublishTimes>,
@@ -279,7 +316,7 @@ impl Listener {
     /// through [`TransitionHub::stream_after`]. Fails if the first connection
     /// fails, so a bad URL is reported at start-up rather than retried.
     pub async fn start(
-        config: tokio_postgres::Config,
+        endpoint: db::Endpoint,
         pool: DbPool,
         options: ListenerOptions,
         shutdown: CancellationToken,
@@ -289,8 +326,10 @@ impl Listener {
         let (settings_tx, settings_rx) = watch::channel(0);
         let (removed_tx, removed_rx) = watch::channel(0);
         let published = Arc::new(PublishTimes::default());
+        let direct = endpoint.clone();
         let mut listener = Listener {
-            config,
+            endpoint,
+            pooled: pool.endpoint().clone(),
             options,
             events: events.clone(),
             published: published.clone(),
@@ -326,13 +365,25 @@ impl Listener {
                     let first = async {
                         let session = listener.connect().await?;
                         listener.last_seq = db::transition::last_seq(&session.client).await?;
-                        listener.mark_connected(&session);
                         Ok::<_, DbError>(session)
                     };
                     match first.await {
-                        Ok(session) => {
+                        Ok(mut session) => {
+                            // Ready once the first session is proven (or
+                            // known not to receive notifications).
+                            let delivery = listener.prove_delivery(&mut session).await;
+                            match &delivery {
+                                Ok(_) => listener.mark_connected(&session),
+                                Err(problem) => {
+                                    let seq = listener.last_seq;
+                                    listener.status.send_modify(|s| {
+                                        s.last_seq = seq;
+                                        s.problem = Some(problem.clone());
+                                    });
+                                }
+                            }
                             let _ = ready_tx.send(Ok(()));
-                            listener.run(session, stop).await;
+                            listener.run(session, delivery, stop).await;
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -354,6 +405,7 @@ impl Listener {
                 settings_changed: settings_rx,
                 issues_removed: removed_rx,
                 pool,
+                direct,
                 _stop_listener: stop_listener,
             }),
         };
@@ -363,19 +415,31 @@ impl Listener {
         Ok((hub, task))
     }
 
-    async fn run(mut self, first: Session, shutdown: CancellationToken) {
-        let mut session = Some(first);
-        // `start` read the log position on this very session after LISTEN,
-        // so the first session has nothing to catch up on.
-        let mut caught_up = true;
+    /// Serves sessions until shutdown: the first (already proven or not),
+    /// then new ones after each loss, each proven before it is served.
+    async fn run(
+        mut self,
+        first: Session,
+        first_delivery: Result<Vec<Notification>, String>,
+        shutdown: CancellationToken,
+    ) {
+        let mut next = Some((first, first_delivery));
+        // `start` read the log position on the first session after LISTEN,
+        // so it has nothing to catch up on.
+        let mut resumed = false;
         let mut backoff = self.options.backoff_min;
         loop {
-            let current = match session.take() {
-                Some(s) => s,
+            let (session, delivery) = match next.take() {
+                Some(first) => first,
                 None => match self.connect().await {
-                    Ok(s) => s,
+                    Ok(mut s) => {
+                        let delivery = self.prove_delivery(&mut s).await;
+                        (s, delivery)
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, retry_in = ?backoff, "listener cannot reconnect");
+                        self.status
+                            .send_modify(|s| s.problem = Some(format!("cannot connect: {e}")));
                         if pause(backoff, &shutdown).await {
                             return;
                         }
@@ -384,8 +448,25 @@ impl Listener {
                     }
                 },
             };
-            let resumed = !std::mem::replace(&mut caught_up, false);
-            match self.serve(current, resumed, &shutdown, &mut backoff).await {
+            let end = match delivery {
+                Ok(early) => {
+                    let end = self
+                        .serve(session, early, resumed, &shutdown, &mut backoff)
+                        .await;
+                    resumed = true;
+                    end
+                }
+                Err(problem) => {
+                    tracing::error!(%problem, "the listener's session does not receive notifications");
+                    self.status.send_modify(|s| {
+                        s.connected = false;
+                        s.problem = Some(problem);
+                    });
+                    resumed = true;
+                    SessionEnd::Lost("notifications do not arrive".into())
+                }
+            };
+            match end {
                 SessionEnd::Shutdown => return,
                 SessionEnd::Lost(reason) => {
                     tracing::warn!(%reason, "listener lost its session; reconnecting");
@@ -404,21 +485,23 @@ impl Listener {
         }
     }
 
-    /// Catches up (on a resumed session), then publishes notifications
-    /// until the session ends.
+    /// Catches up from the log, then publishes what notifications ring in
+    /// until the session ends. `early` are notifications that arrived
+    /// while the session was being proven.
     async fn serve(
         &mut self,
         mut session: Session,
+        early: Vec<Notification>,
         resumed: bool,
         shutdown: &CancellationToken,
         backoff: &mut Duration,
     ) -> SessionEnd {
+        // LISTEN is already active, so nothing can fall between this read
+        // and the first notification.
+        if let Err(e) = self.catch_up(&session.client).await {
+            return SessionEnd::Lost(format!("catch-up failed: {e}"));
+        }
         if resumed {
-            // LISTEN is already active, so nothing can fall between the
-            // catch-up read and the first notification.
-            if let Err(e) = self.catch_up(&session.client).await {
-                return SessionEnd::Lost(format!("catch-up failed: {e}"));
-            }
             match db::transition::last_seq(&session.client).await {
                 Ok(end) if end < self.last_seq => {
                     tracing::error!(
@@ -431,13 +514,18 @@ impl Listener {
                 Ok(_) => {}
                 Err(e) => return SessionEnd::Lost(format!("cannot read the log's end: {e}")),
             }
-            self.mark_connected(&session);
+        }
+        self.mark_connected(&session);
+        if resumed {
             // Setting changes and removals may have been missed while
             // disconnected.
             self.settings_changed.send_modify(|v| *v += 1);
             self.announce_removal();
         }
         *backoff = self.options.backoff_min;
+        if let Err(e) = self.on_notifications(&session.client, early).await {
+            return SessionEnd::Lost(format!("catch-up failed: {e}"));
+        }
 
         let mut health = tokio::time::interval(self.options.health_interval);
         health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -447,25 +535,28 @@ impl Listener {
                 biased;
                 _ = shutdown.cancelled() => return SessionEnd::Shutdown,
                 note = session.notifications.recv() => {
-                    let Some(mut note) = note else {
+                    let Some(note) = note else {
                         return SessionEnd::Lost("connection closed".into());
                     };
                     // Everything already received (a commit's transitions
-                    // arrive together) is read before any is sent.
-                    loop {
-                        if let Err(e) = self.on_notification(&session.client, note).await {
-                            return SessionEnd::Lost(format!("catch-up failed: {e}"));
-                        }
-                        match session.notifications.try_recv() {
-                            Ok(next) => note = next,
-                            Err(_) => break,
-                        }
+                    // arrive together) is taken in one go.
+                    let mut batch = vec![note];
+                    while let Ok(next) = session.notifications.try_recv() {
+                        batch.push(next);
                     }
-                    self.flush();
+                    if let Err(e) = self.on_notifications(&session.client, batch).await {
+                        return SessionEnd::Lost(format!("catch-up failed: {e}"));
+                    }
                 }
                 _ = health.tick() => {
-                    let probe = session.client.simple_query("SELECT 1");
+                    // A server in recovery (a primary demoted by a
+                    // failover) no longer sees the transitions committed on
+                    // the new one: such a session is dropped.
+                    let probe = session.client.simple_query("SELECT pg_is_in_recovery()");
                     match tokio::time::timeout(self.options.health_timeout, probe).await {
+                        Ok(Ok(rows)) if in_recovery(&rows) => {
+                            return SessionEnd::Lost("the server is in recovery (a standby, or a primary demoted by a failover)".into())
+                        }
                         Ok(Ok(_)) => {}
                         Ok(Err(e)) => return SessionEnd::Lost(format!("health query failed: {e}")),
                         Err(_) => return SessionEnd::Lost("health query timed out".into()),
@@ -475,36 +566,70 @@ impl Listener {
         }
     }
 
-    async fn on_notification(
+    /// Takes a batch of notifications in order: transition doorbells read
+    /// the log (once for the batch, before anything that must come after
+    /// them), setting changes and removals are announced.
+    async fn on_notifications(
         &mut self,
         client: &Client,
-        note: Notification,
+        batch: Vec<Notification>,
     ) -> Result<(), DbError> {
-        match note.channel() {
-            TRANSITION_CHANNEL => match Transition::from_payload(note.payload()) {
-                Ok(t) if t.seq <= self.last_seq => Ok(()),
-                Ok(t) if t.seq == self.last_seq + 1 => {
-                    self.publish(t);
-                    Ok(())
+        // The highest `seq` a doorbell named that is not yet published.
+        let mut rung: Option<i64> = None;
+        for note in batch {
+            match note.channel() {
+                TRANSITION_CHANNEL if self.options.trust_payloads => {
+                    self.on_trusted_payload(client, &note).await?
                 }
-                Ok(_) => self.catch_up(client).await,
-                Err(e) => {
-                    tracing::warn!(error = %e, payload = note.payload(), "unreadable transition payload; reading the log");
-                    self.catch_up(client).await
+                TRANSITION_CHANNEL => match Transition::from_payload(note.payload()) {
+                    Ok(t) if t.seq <= self.last_seq => {}
+                    Ok(t) => rung = Some(rung.map_or(t.seq, |r| r.max(t.seq))),
+                    Err(e) => {
+                        tracing::warn!(error = %e, payload = note.payload(), "unreadable transition payload; reading the log");
+                        rung = Some(rung.unwrap_or(self.last_seq + 1));
+                    }
+                },
+                SETTINGS_CHANNEL => self.settings_changed.send_modify(|v| *v += 1),
+                REMOVAL_CHANNEL => {
+                    // The removal comes after every transition rung before
+                    // it: those are read first.
+                    if rung.take().is_some() {
+                        self.catch_up(client).await?;
+                    }
+                    self.announce_removal();
                 }
-            },
-            SETTINGS_CHANNEL => {
-                self.settings_changed.send_modify(|v| *v += 1);
+                other => tracing::debug!(channel = other, "ignoring notification"),
+            }
+        }
+        if let Some(rung) = rung {
+            self.catch_up(client).await?;
+            if rung > self.last_seq {
+                crate::metrics::unverified_notification();
+                tracing::warn!(
+                    seq = rung,
+                    log_ends_at = self.last_seq,
+                    "a notification named a transition the log does not hold (sent by hand?); ignored"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The old way, for measurement only (see
+    /// [`ListenerOptions::trust_payloads`]).
+    async fn on_trusted_payload(
+        &mut self,
+        client: &Client,
+        note: &Notification,
+    ) -> Result<(), DbError> {
+        match Transition::from_payload(note.payload()) {
+            Ok(t) if t.seq <= self.last_seq => Ok(()),
+            Ok(t) if t.seq == self.last_seq + 1 => {
+                self.publish(t);
+                self.flush();
                 Ok(())
             }
-            REMOVAL_CHANNEL => {
-                self.announce_removal();
-                Ok(())
-            }
-            other => {
-                tracing::debug!(channel = other, "ignoring notification");
-                Ok(())
-            }
+            _ => self.catch_up(client).await,
         }
     }
 
@@ -553,6 +678,7 @@ impl Listener {
             s.connected = true;
             s.backend_pid = Some(session.backend_pid);
             s.last_seq = seq;
+            s.problem = None;
         });
     }
 
@@ -565,7 +691,7 @@ impl Listener {
     }
 
     async fn connect(&self) -> Result<Session, DbError> {
-        let (client, mut connection) = self.config.connect(NoTls).await?;
+        let (client, mut connection, _) = self.endpoint.connect_raw().await?;
         let (tx, notifications) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
@@ -586,7 +712,8 @@ impl Listener {
         });
         client
             .batch_execute(&format!(
-                "LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}; LISTEN {REMOVAL_CHANNEL}"
+                "LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}; LISTEN {REMOVAL_CHANNEL}; \
+                 LISTEN {PROBE_CHANNEL}"
             ))
             .await?;
         let backend_pid: i32 = client
@@ -600,6 +727,56 @@ impl Listener {
             backend_pid,
         })
     }
+}
+
+impl Listener {
+    /// Shows that notifications committed through the pooled endpoint reach
+    /// `session`: sends one there, from a session of its own, and waits for
+    /// it. Returns what else arrived meanwhile, or why it is not so.
+    async fn prove_delivery(&self, session: &mut Session) -> Result<Vec<Notification>, String> {
+        let token = format!("{}:{:016x}", session.backend_pid, rand::random::<u64>());
+        let sent = async {
+            let notifier = self.pooled.connect().await?;
+            notifier
+                .query_typed(
+                    "SELECT pg_notify($1, $2)",
+                    &[
+                        (&PROBE_CHANNEL, tokio_postgres::types::Type::TEXT),
+                        (&token, tokio_postgres::types::Type::TEXT),
+                    ],
+                )
+                .await?;
+            Ok::<_, DbError>(())
+        };
+        if let Err(e) = sent.await {
+            return Err(format!("cannot send the delivery probe: {e}"));
+        }
+        let deadline = tokio::time::Instant::now() + self.options.probe_timeout;
+        let mut early = Vec::new();
+        loop {
+            match tokio::time::timeout_at(deadline, session.notifications.recv()).await {
+                Ok(Some(note)) if note.channel() == PROBE_CHANNEL && note.payload() == token => {
+                    return Ok(early)
+                }
+                Ok(Some(note)) => early.push(note),
+                Ok(None) => return Err("the listening session closed".into()),
+                Err(_) => {
+                    return Err(format!(
+                        "a notification sent through the database URL did not reach the listening session within {:?}: \
+                         if DATABASE_URL goes through a transaction pooler (PgBouncer, RDS Proxy, Supavisor), \
+                         set NEWSNACK_DIRECT_DATABASE_URL to a URL that reaches PostgreSQL directly",
+                        self.options.probe_timeout
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// Whether a `SELECT pg_is_in_recovery()` said true.
+fn in_recovery(rows: &[tokio_postgres::SimpleQueryMessage]) -> bool {
+    rows.iter()
+        .any(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("t")))
 }
 
 /// Sleeps unless shut down first; true when shut down.

@@ -45,6 +45,7 @@ const LLM_ERRORS: &str = "newsnack_llm_errors_total";
 const GENERATIONS_IN_FLIGHT: &str = "newsnack_generations_in_flight";
 const COMPLETIONS_DEFERRED: &str = "newsnack_completions_deferred_total";
 const LISTENER_RECONNECTS: &str = "newsnack_listener_reconnects_total";
+const UNVERIFIED_NOTIFICATIONS: &str = "newsnack_listener_unverified_notifications_total";
 const ADVISORY_LOCK_HELD: &str = "newsnack_advisory_lock_held";
 const SSE_CLIENTS: &str = "newsnack_sse_clients";
 const AUTH_REJECTIONS: &str = "newsnack_auth_rejections_total";
@@ -125,6 +126,10 @@ fn describe_and_register() {
         LISTENER_RECONNECTS,
         "Listening sessions lost and reconnected"
     );
+    describe_counter!(
+        UNVERIFIED_NOTIFICATIONS,
+        "Notifications on issue_transition that named a transition the log does not hold (ignored)"
+    );
     describe_gauge!(
         ADVISORY_LOCK_HELD,
         "Advisory locks of this name held by this process"
@@ -138,6 +143,7 @@ fn describe_and_register() {
         counter!(CLAIMS, "result" => result).increment(0);
     }
     counter!(LISTENER_RECONNECTS).increment(0);
+    counter!(UNVERIFIED_NOTIFICATIONS).increment(0);
     counter!(COMPLETIONS_DEFERRED).increment(0);
     counter!(AUTH_REJECTIONS).increment(0);
     gauge!(GENERATIONS_IN_FLIGHT).increment(0.0);
@@ -222,6 +228,12 @@ pub fn generation_started() -> GaugeGuard {
 }
 
 /// The listener lost its session and is reconnecting.
+/// A notification named a transition the log does not hold.
+pub fn unverified_notification() {
+    let _ = install();
+    counter!(UNVERIFIED_NOTIFICATIONS).increment(1);
+}
+
 pub fn listener_reconnecting() {
     let _ = install();
     counter!(LISTENER_RECONNECTS).increment(1);

@@ -76,7 +76,8 @@ const STRAGGLER_PAUSES: (Duration, Duration) = (Duration::from_millis(100), Dura
 /// Everything a run needs.
 #[derive(Clone)]
 pub struct Pipeline {
-    pub config: tokio_postgres::Config,
+    /// The direct endpoint: the run's lock needs a session of its own.
+    pub direct: crate::db::Endpoint,
     pub pool: DbPool,
     pub hub: TransitionHub,
     pub claimer: Claimer,
@@ -108,7 +109,7 @@ impl Pipeline {
         cancel: &CancellationToken,
     ) -> Result<Option<RunSummary>, PipelineError> {
         let Some(lock) =
-            AdvisoryLock::try_acquire(&self.config, advisory::PIPELINE, &self.instance).await?
+            AdvisoryLock::try_acquire(&self.direct, advisory::PIPELINE, &self.instance).await?
         else {
             return Err(PipelineError::Busy);
         };
@@ -121,7 +122,7 @@ impl Pipeline {
         let _finished = done.clone().drop_guard();
         let keeper = tokio::spawn(keep_lock(
             lock,
-            self.config.clone(),
+            self.direct.clone(),
             self.instance.clone(),
             holder_tx,
             stop.clone(),
@@ -493,10 +494,7 @@ impl RunRecord {
 /// Whether the run still holds its lock, as the server sees it. When the
 /// server no longer sees the lock's session holding it, waits (bounded) for
 /// the keeper's verdict: the lock taken again, or lost for good.
-async fn still_holds(
-    client: &impl deadpool_postgres::GenericClient,
-    lock: &LockHolder,
-) -> Result<bool, DbError> {
+async fn still_holds(client: &impl crate::db::Sql, lock: &LockHolder) -> Result<bool, DbError> {
     let mut lock = lock.clone();
     let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
     loop {
@@ -538,7 +536,7 @@ const VERDICT_WAIT: Duration = Duration::from_secs(20);
 /// the run.
 async fn keep_lock(
     mut lock: AdvisoryLock,
-    config: tokio_postgres::Config,
+    direct: crate::db::Endpoint,
     instance: String,
     holder: watch::Sender<Option<i32>>,
     stop: CancellationToken,
@@ -569,7 +567,7 @@ async fn keep_lock(
         drop(lock);
         let retaken = tokio::select! {
             _ = done.cancelled() => return,
-            retaken = retake(&config, &instance) => retaken,
+            retaken = retake(&direct, &instance) => retaken,
         };
         match retaken {
             Some(again) => {
@@ -592,9 +590,9 @@ async fn keep_lock(
 
 /// Takes the pipeline lock on a new session; `None` when another session
 /// holds it or the database stays unreachable.
-async fn retake(config: &tokio_postgres::Config, instance: &str) -> Option<AdvisoryLock> {
+async fn retake(direct: &crate::db::Endpoint, instance: &str) -> Option<AdvisoryLock> {
     for attempt in 1..=RETAKE_ATTEMPTS {
-        match AdvisoryLock::acquire_within(config, advisory::PIPELINE, instance, RETAKE_WAIT).await
+        match AdvisoryLock::acquire_within(direct, advisory::PIPELINE, instance, RETAKE_WAIT).await
         {
             Ok(taken) => return taken,
             Err(e) => {

@@ -21,7 +21,8 @@ use crate::settings::SettingsCache;
 
 /// The reaper service of one instance.
 pub struct LeaseReaper {
-    pub config: tokio_postgres::Config,
+    /// The direct endpoint: the lock needs a session of its own.
+    pub endpoint: crate::db::Endpoint,
     pub settings: Arc<SettingsCache>,
     pub instance: String,
 }
@@ -45,7 +46,7 @@ impl LeaseReaper {
             }
             if lock.is_none() {
                 match AdvisoryLock::try_acquire(
-                    &self.config,
+                    &self.endpoint,
                     advisory::LEASE_REAPER,
                     &self.instance,
                 )
@@ -68,6 +69,15 @@ impl LeaseReaper {
             match reap(held).await {
                 Ok(ids) if !ids.is_empty() => tracing::warn!(?ids, "reaped expired leases"),
                 Ok(_) => {}
+                // A session that cannot write (a demoted primary after a
+                // failover) is let go with its lock; the next tick takes
+                // it on a new session, which reaches the new primary.
+                Err(e) if e.ends_session() => {
+                    tracing::warn!(error = %e, "the reaper's session cannot reap; letting it go");
+                    if let Some((held, _shown)) = lock.take() {
+                        held.release().await;
+                    }
+                }
                 Err(e) => tracing::warn!(error = %e, "reaping failed"),
             }
         }

@@ -31,6 +31,10 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// `None`: start a throwaway embedded cluster.
     pub database_url: Option<String>,
+    /// A URL that reaches PostgreSQL directly, for the listener and the
+    /// advisory locks, when `database_url` goes through a transaction
+    /// pooler. `None`: `database_url` serves both.
+    pub direct_database_url: Option<String>,
     /// Who claims: recorded in `issue.claimed_by`.
     pub instance: String,
     pub pool_size: usize,
@@ -126,7 +130,7 @@ impl RunningService {
 /// The parts every long-running command shares: pool, listener, settings,
 /// claimer, generator and retry scheduler, with their tasks.
 pub struct Core {
-    pub config: tokio_postgres::Config,
+    pub db: db::Database,
     pub pool: db::DbPool,
     pub hub: TransitionHub,
     pub settings: Arc<SettingsCache>,
@@ -142,7 +146,7 @@ impl Core {
     /// Migrates the database and starts the shared parts; the retry
     /// scheduler retries the failed issues in `retry_scope`.
     pub async fn start(
-        database_url: &str,
+        database: &db::Database,
         instance: &str,
         pool_size: usize,
         writer: SharedWriter,
@@ -150,22 +154,22 @@ impl Core {
         retry_scope: RetryScope,
         shutdown: &CancellationToken,
     ) -> Result<Core, ServeError> {
-        let config = db::pg_config(database_url, &format!("newsnack:{instance}"))?;
-        let mut migrator = db::connect(&config).await?;
+        let database = database.with_application_name(&format!("newsnack:{instance}"));
+        let mut migrator = database.pooled.connect().await?;
         let report = db::migrate::migrate(&mut migrator).await?;
         if !report.applied.is_empty() {
             tracing::info!(applied = ?report.applied, "schema migrated");
         }
         drop(migrator);
         let pool = db::pool(
-            config.clone(),
+            &database.pooled,
             &PoolOptions {
                 max_size: pool_size,
                 wait_timeout: Duration::from_secs(5),
             },
         )?;
         let (hub, listener_task) = Listener::start(
-            config.clone(),
+            database.direct.clone(),
             pool.clone(),
             ListenerOptions::default(),
             shutdown.clone(),
@@ -197,7 +201,7 @@ impl Core {
             .run(shutdown.clone()),
         );
         Ok(Core {
-            config,
+            db: database,
             pool,
             hub,
             settings,
@@ -212,7 +216,7 @@ impl Core {
     /// The pipeline over these parts.
     pub fn pipeline(&self) -> Pipeline {
         Pipeline {
-            config: self.config.clone(),
+            direct: self.db.direct.clone(),
             pool: self.pool.clone(),
             hub: self.hub.clone(),
             claimer: self.claimer.clone(),
@@ -230,26 +234,32 @@ impl Core {
     }
 }
 
-/// Starts `database_url`, or a throwaway embedded cluster when it is `None`;
-/// returns the URL to use and the cluster to keep alive.
+/// Parses `database_url` (and the direct URL), or starts a throwaway
+/// embedded cluster when it is `None`; returns the endpoints, the URL in
+/// use and the cluster to keep alive.
 pub async fn database(
     database_url: Option<&str>,
-) -> Result<(String, Option<EmbeddedPostgres>), ServeError> {
+    direct_database_url: Option<&str>,
+) -> Result<(db::Database, String, Option<EmbeddedPostgres>), ServeError> {
     if let Some(url) = database_url {
-        return Ok((url.to_string(), None));
+        let database = db::Database::parse(url, direct_database_url, "newsnack")?;
+        return Ok((database, url.to_string(), None));
     }
     let cluster =
         tokio::task::spawn_blocking(|| EmbeddedPostgres::start(&EmbeddedOptions::default()))
             .await
             .map_err(|e| EmbeddedError::Io(std::io::Error::other(e)))??;
-    let admin = db::connect(&db::pg_config(&cluster.url("postgres"), "newsnack-setup")?).await?;
+    let admin = db::Endpoint::parse(&cluster.url("postgres"), "newsnack-setup")?
+        .connect()
+        .await?;
     admin
         .batch_execute("CREATE DATABASE newsnack")
         .await
         .map_err(DbError::from)?;
     let url = cluster.url("newsnack");
     tracing::info!(%url, "started a throwaway PostgreSQL cluster (deleted on exit)");
-    Ok((url, Some(cluster)))
+    let database = db::Database::parse(&url, None, "newsnack")?;
+    Ok((database, url, Some(cluster)))
 }
 
 /// Starts every part of the service. Returns once the API is listening.
@@ -259,9 +269,13 @@ pub async fn start(
 ) -> Result<RunningService, ServeError> {
     http::auth::check_configurable(options.api_token.as_deref())?;
     let shutdown = CancellationToken::new();
-    let (database_url, embedded) = database(options.database_url.as_deref()).await?;
+    let (database, database_url, embedded) = database(
+        options.database_url.as_deref(),
+        options.direct_database_url.as_deref(),
+    )
+    .await?;
     let mut core = Core::start(
-        &database_url,
+        &database,
         &options.instance,
         options.pool_size,
         writer,
@@ -272,7 +286,7 @@ pub async fn start(
     .await?;
     core.tasks.spawn(
         LeaseReaper {
-            config: core.config.clone(),
+            endpoint: core.db.direct.clone(),
             settings: core.settings.clone(),
             instance: options.instance.clone(),
         }

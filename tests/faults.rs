@@ -72,6 +72,7 @@ async fn start_service(
         ServeOptions {
             listen: "127.0.0.1:0".parse().unwrap(),
             database_url: Some(url.to_string()),
+            direct_database_url: None,
             instance: instance.into(),
             pool_size,
             grace: Duration::from_secs(2),
@@ -225,7 +226,7 @@ async fn own_cluster() -> EmbeddedPostgres {
 async fn postgres_restarted_mid_run_with_waits_open_and_sse_clients_connected() {
     let mut cluster = own_cluster().await;
     let url = cluster.url("postgres");
-    let config = db::pg_config(&url, "fault-test").unwrap();
+    let endpoint = db::Endpoint::parse(&url, "fault-test").unwrap();
     let fake = FakeLlm::start(|_, request| {
         if request.to_string().contains("poison") {
             Reply::BadRequest
@@ -244,14 +245,14 @@ async fn postgres_restarted_mid_run_with_waits_open_and_sse_clients_connected() 
         llm_writer(&fake.url, Duration::from_secs(5)),
     )
     .await;
-    let pool = db::pool(config.clone(), &PoolOptions::default()).unwrap();
+    let pool = db::pool(&endpoint, &PoolOptions::default()).unwrap();
     fault_settings(&pool).await;
     db::setting::set(&pool.get().await.unwrap(), "generation_concurrency", "4")
         .await
         .unwrap();
     let stop_listener = CancellationToken::new();
     let (hub, _) = Listener::start(
-        config,
+        endpoint,
         pool.clone(),
         quick_reconnects(),
         stop_listener.clone(),
@@ -969,7 +970,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
     // Everything of the service but its lease reaper.
     let shutdown = CancellationToken::new();
     let core = newsnack::serve::Core::start(
-        &db.url,
+        &db.database(),
         "no-reaper",
         4,
         Arc::new(OfflineWriter),
@@ -1017,7 +1018,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
     // The same system with its reaper: the audit passes.
     let reaper = tokio::spawn(
         newsnack::reaper::LeaseReaper {
-            config: core.config.clone(),
+            endpoint: core.db.direct.clone(),
             settings: core.settings.clone(),
             instance: "reaper".into(),
         }

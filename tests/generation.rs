@@ -638,12 +638,12 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
 
     // The database is out of reach until the gate opens.
     let gate = DbGate::start(&db, false).await;
-    let gated = newsnack::db::pg_config(&gate.url, "gated").unwrap();
-    let pool = newsnack::db::pool(gated, &newsnack::db::PoolOptions::default()).unwrap();
+    let gated = newsnack::db::Endpoint::parse(&gate.url, "gated").unwrap();
+    let pool = newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap();
 
     let stop = tokio_util::sync::CancellationToken::new();
     let (hub, _listener) = newsnack::listener::Listener::start(
-        db.config.clone(),
+        db.endpoint.clone(),
         pool.clone(),
         Default::default(),
         stop.clone(),
@@ -731,7 +731,7 @@ struct HeldGenerator {
 async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerator {
     let stop = tokio_util::sync::CancellationToken::new();
     let (hub, _listener) = newsnack::listener::Listener::start(
-        db.config.clone(),
+        db.endpoint.clone(),
         db.pool.clone(),
         Default::default(),
         stop.clone(),
@@ -910,8 +910,8 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     db.set("lease_s", "600").await;
     let id = db.add_issues(1).await[0];
     let gate = DbGate::start(&db, true).await;
-    let gated = newsnack::db::pg_config(&gate.url, "gated").unwrap();
-    let pool = newsnack::db::pool(gated, &newsnack::db::PoolOptions::default()).unwrap();
+    let gated = newsnack::db::Endpoint::parse(&gate.url, "gated").unwrap();
+    let pool = newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap();
     let HeldGenerator {
         hub,
         stop,
@@ -1118,7 +1118,7 @@ async fn the_reaper_reaps_while_its_pool_is_saturated() {
     ));
     let reaper = tokio::spawn(
         newsnack::reaper::LeaseReaper {
-            config: db.config.clone(),
+            endpoint: db.endpoint.clone(),
             settings,
             instance: "saturated".into(),
         }

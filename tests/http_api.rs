@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use common::{until_sql, until_status, within, TestDb};
-use deadpool_postgres::GenericClient;
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
 };
+use newsnack::db::Sql;
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -1233,13 +1233,23 @@ async fn show_health_and_readiness_answer_in_shape() {
     );
     let (status, ready) = send(&http, Method::GET, &format!("{base}/readyz"), None, None).await;
     assert_eq!(status, StatusCode::OK, "{ready}");
-    assert_eq!(ready, json!({ "database": true, "listener": true }));
+    // The test cluster speaks no TLS: `prefer` falls back to plain, and
+    // readiness says so.
+    let plain = json!({ "encrypted": false, "verified": "none" });
+    assert_eq!(
+        ready,
+        json!({
+            "database": true,
+            "listener": true,
+            "sessions": { "pooled": plain, "direct": plain },
+        })
+    );
     service.stop().await.unwrap();
 }
 
 /// Completes one claim through the batched statement.
 async fn complete(
-    client: &impl GenericClient,
+    client: &impl Sql,
     id: i64,
     claim_id: i64,
     headline: &str,

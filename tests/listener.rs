@@ -207,3 +207,63 @@ async fn settings_changes_are_announced_to_the_hub() {
     );
     stop.cancel();
 }
+
+/// Transitions committed while the listener is away, followed by silence,
+/// still reach subscribers: a new session reads the log from the last
+/// published `seq` before it waits for notifications. (Without that read,
+/// nothing would ring until the next transition, and this test times out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transitions_committed_during_an_outage_arrive_without_another_one() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(3).await;
+    let (hub, stop) = db.listener_with(quick_reconnects()).await;
+    let writer = db.raw().await;
+    let (admin, connection) = db
+        .config
+        .clone()
+        .dbname("postgres")
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let admit =
+        |allowed: bool| format!("ALTER DATABASE \"{}\" ALLOW_CONNECTIONS {allowed}", db.name);
+    // The listener loses its session and cannot get a new one.
+    admin.batch_execute(&admit(false)).await.unwrap();
+    let mut status = hub.status();
+    let pid = status
+        .borrow()
+        .backend_pid
+        .expect("the listener is connected");
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    within(
+        20,
+        "the listener to notice",
+        status.wait_for(|s| !s.connected),
+    )
+    .await
+    .unwrap();
+    let before = status.borrow().last_seq;
+    writer
+        .execute(
+            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    // Back, and then nothing more happens.
+    admin.batch_execute(&admit(true)).await.unwrap();
+    let after = within(
+        30,
+        "the outage's transitions to be published",
+        status.wait_for(|s| s.connected && s.last_seq >= before + 3),
+    )
+    .await
+    .unwrap()
+    .last_seq;
+    assert_eq!(after, before + 3);
+    stop.cancel();
+}

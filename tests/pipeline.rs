@@ -457,7 +457,7 @@ async fn a_late_instance_leaves_a_tick_that_already_has_a_run_alone() {
     scored_issues(&db, &[1.0]).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let core = newsnack::serve::Core::start(
-        &db.url,
+        &db.database(),
         "late",
         4,
         Arc::new(OfflineWriter),
@@ -763,7 +763,7 @@ async fn a_run_another_instance_took_over_cannot_record_its_outcome() {
 async fn the_server_alone_says_which_session_holds_the_pipeline_lock() {
     use newsnack::db::advisory::{self, AdvisoryLock};
     let db = TestDb::new().await;
-    let first = AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "first")
+    let first = AdvisoryLock::try_acquire(&db.endpoint, advisory::PIPELINE, "first")
         .await
         .unwrap()
         .expect("the lock is free");
@@ -772,7 +772,7 @@ async fn the_server_alone_says_which_session_holds_the_pipeline_lock() {
         .await
         .unwrap());
     assert!(
-        AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "second")
+        AdvisoryLock::try_acquire(&db.endpoint, advisory::PIPELINE, "second")
             .await
             .unwrap()
             .is_none(),
@@ -792,7 +792,7 @@ async fn the_server_alone_says_which_session_holds_the_pipeline_lock() {
         .await
         .unwrap());
     let second = AdvisoryLock::acquire_within(
-        &db.config,
+        &db.endpoint,
         advisory::PIPELINE,
         "second",
         std::time::Duration::from_secs(2),
@@ -805,7 +805,7 @@ async fn the_server_alone_says_which_session_holds_the_pipeline_lock() {
         .unwrap());
     // Held by another, waiting gives up after its bound.
     assert!(AdvisoryLock::acquire_within(
-        &db.config,
+        &db.endpoint,
         advisory::PIPELINE,
         "third",
         std::time::Duration::from_millis(200),
@@ -841,7 +841,7 @@ async fn a_lock_session_this_process_let_go_of_does_not_keep_the_lock() {
     let (foreign, _foreign_connection) =
         hold_as("newsnack-lock:pipeline:0000beef:another-process".into()).await;
     assert!(
-        AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "taker")
+        AdvisoryLock::try_acquire(&db.endpoint, advisory::PIPELINE, "taker")
             .await
             .unwrap()
             .is_none(),
@@ -857,7 +857,7 @@ async fn a_lock_session_this_process_let_go_of_does_not_keep_the_lock() {
         .await
         .unwrap()
         .get(0);
-    let taken = AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "taker")
+    let taken = AdvisoryLock::try_acquire(&db.endpoint, advisory::PIPELINE, "taker")
         .await
         .unwrap()
         .expect("the orphaned session is ended and the lock taken");
@@ -1104,7 +1104,7 @@ async fn a_tick_whose_lock_holder_records_no_run_is_run_by_another_instance() {
     let db = TestDb::new().await;
     scored_issues(&db, &[1.0, 2.0, 3.0]).await;
     let service = db.serve("second", Arc::new(OfflineWriter)).await;
-    let holder = AdvisoryLock::try_acquire(&db.config, advisory::PIPELINE, "first")
+    let holder = AdvisoryLock::try_acquire(&db.endpoint, advisory::PIPELINE, "first")
         .await
         .unwrap()
         .expect("the lock is free");

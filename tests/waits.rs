@@ -72,7 +72,7 @@ async fn a_failed_log_read_does_not_end_a_wait() {
     let pool = db.pool_of_one(Duration::from_millis(100));
     let stop = CancellationToken::new();
     let (hub, _task) = newsnack::listener::Listener::start(
-        db.config.clone(),
+        db.endpoint.clone(),
         pool.clone(),
         ListenerOptions {
             capacity: 8,

@@ -1,6 +1,9 @@
 //! Advisory lock keys, in one place, so `newsnack locks` can name what it
 //! sees in `pg_locks` and no two concerns share a key by accident.
 
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
+
 /// Serialises `issue_transition.seq` allocation with commit order; taken by
 /// the transition trigger (`sql/0002_transitions.sql`), held to commit.
 pub const TRANSITION_LOG: i64 = 7_236_284_560_371_893_001;
@@ -50,38 +53,37 @@ pub struct AdvisoryLock {
 impl AdvisoryLock {
     /// Takes `key` without waiting; `Ok(None)` when another session holds it.
     pub async fn try_acquire(
-        config: &tokio_postgres::Config,
+        endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
-        Self::acquire(config, key, holder, None).await
+        Self::acquire(endpoint, key, holder, None).await
     }
 
     /// Takes `key`, waiting up to `wait` for its holder to let go (e.g. a
     /// session of this process that is still ending); `Ok(None)` when it is
     /// still held then.
     pub async fn acquire_within(
-        config: &tokio_postgres::Config,
+        endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
         wait: std::time::Duration,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
-        Self::acquire(config, key, holder, Some(wait)).await
+        Self::acquire(endpoint, key, holder, Some(wait)).await
     }
 
     async fn acquire(
-        config: &tokio_postgres::Config,
+        endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
         wait: Option<std::time::Duration>,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
-        let mut config = config.clone();
-        config.application_name(session_name(key, holder));
-        let (client, session_ended) = super::connect_watched(&config).await?;
+        let endpoint = endpoint.with_application_name(&session_name(key, holder));
+        let (client, session_ended) = endpoint.connect_watched().await?;
         // Registered before it may hold the lock, so that no other task of
         // this process takes it for an orphan meanwhile.
         let pid: i32 = client
-            .query_one("SELECT pg_backend_pid()", &[])
+            .query_typed_one("SELECT pg_backend_pid()", &[])
             .await?
             .get(0);
         let live = LiveSession::register(pid);
@@ -151,7 +153,7 @@ impl AdvisoryLock {
         let unlock = async {
             let _ = self
                 .client
-                .execute("SELECT pg_advisory_unlock($1)", &[&self.key])
+                .execute_typed("SELECT pg_advisory_unlock($1)", &[(&self.key, Type::INT8)])
                 .await;
         };
         let _ = tokio::time::timeout(RELEASE_TIMEOUT, unlock).await;
@@ -166,14 +168,16 @@ async fn take(
 ) -> Result<bool, super::DbError> {
     let Some(wait) = wait else {
         let row = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+            .query_typed_one("SELECT pg_try_advisory_lock($1)", &[(&key, Type::INT8)])
             .await?;
         return Ok(row.get(0));
     };
     client
         .batch_execute(&format!("SET lock_timeout = {}", wait.as_millis().max(1)))
         .await?;
-    let waited = client.execute("SELECT pg_advisory_lock($1)", &[&key]).await;
+    let waited = client
+        .execute_typed("SELECT pg_advisory_lock($1)", &[(&key, Type::INT8)])
+        .await;
     let taken = match waited {
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => false,
         waited => waited.map(|_| true)?,
@@ -245,7 +249,7 @@ async fn end_own_orphan(
 ) -> Result<Option<i32>, super::DbError> {
     let prefix = format!("newsnack-lock:{}:{}:", name_of(key), process_mark());
     let row = client
-        .query_opt(
+        .query_typed_opt(
             "SELECT l.pid, pg_terminate_backend(l.pid)
                FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
               WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
@@ -254,7 +258,11 @@ async fn end_own_orphan(
                 AND starts_with(a.application_name, $2)
                 AND l.pid <> pg_backend_pid() AND NOT l.pid = ANY($3)
               LIMIT 1",
-            &[&key, &prefix, &LiveSession::pids()],
+            &[
+                (&key, Type::INT8),
+                (&prefix, Type::TEXT),
+                (&LiveSession::pids(), Type::INT4_ARRAY),
+            ],
         )
         .await?;
     Ok(row.filter(|r| r.get::<_, bool>(1)).map(|r| r.get(0)))
@@ -276,19 +284,16 @@ pub struct HeldLock {
 
 /// Whether the session with backend `pid` holds `key` (as seen from any
 /// session: the answer of the server, which alone decides who holds it).
-pub async fn held_by(
-    client: &impl deadpool_postgres::GenericClient,
-    key: i64,
-    pid: i32,
-) -> Result<bool, super::DbError> {
+pub async fn held_by(client: &impl super::Sql, key: i64, pid: i32) -> Result<bool, super::DbError> {
     let row = client
-        .query_one(
+        .sql()
+        .query_typed_one(
             "SELECT EXISTS (
                  SELECT 1 FROM pg_locks
                   WHERE locktype = 'advisory' AND granted AND pid = $2 AND objsubid = 1
                     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
                     AND ((classid::bigint << 32) | objid::bigint) = $1)",
-            &[&key, &pid],
+            &[(&key, Type::INT8), (&pid, Type::INT4)],
         )
         .await?;
     Ok(row.get(0))
@@ -297,7 +302,7 @@ pub async fn held_by(
 /// Every advisory lock in the current database, with its holder.
 pub async fn held_locks(client: &tokio_postgres::Client) -> Result<Vec<HeldLock>, super::DbError> {
     let rows = client
-        .query(
+        .query_typed(
             "SELECT ((l.classid::bigint << 32) | l.objid::bigint), l.pid, COALESCE(a.application_name, ''),
                     host(a.client_addr), a.backend_start, l.granted
                FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid

@@ -1,10 +1,11 @@
 //! Queries on `briefing` and the articles a briefing is built from.
 
-use deadpool_postgres::GenericClient;
 use serde::Serialize;
 use time::{Date, OffsetDateTime};
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
 
-use super::DbError;
+use super::{DbError, Sql};
 use crate::status::Status;
 
 /// One requested issue with its article, if it has one.
@@ -31,16 +32,14 @@ pub struct Briefing {
 }
 
 /// The requested issues (unknown ids absent) with their articles.
-pub async fn sources(
-    client: &impl GenericClient,
-    ids: &[i64],
-) -> Result<Vec<BriefingSource>, DbError> {
+pub async fn sources(client: &impl Sql, ids: &[i64]) -> Result<Vec<BriefingSource>, DbError> {
     let rows = client
-        .query(
+        .sql()
+        .query_typed(
             "SELECT i.id, i.processing_status, i.title, i.score, a.headline, a.body
                FROM issue i LEFT JOIN ai_article a ON a.issue_id = i.id
               WHERE i.id = ANY($1)",
-            &[&ids],
+            &[(&ids, Type::INT8_ARRAY)],
         )
         .await?;
     rows.iter()
@@ -59,16 +58,22 @@ pub async fn sources(
 
 /// Stores a briefing; returns its id.
 pub async fn insert(
-    client: &impl GenericClient,
+    client: &impl Sql,
     title: &str,
     date: Date,
     issue_ids: &[i64],
     body: &str,
 ) -> Result<i64, DbError> {
     let row = client
-        .query_one(
+        .sql()
+        .query_typed_one(
             "INSERT INTO briefing (title, briefing_date, issue_ids, body) VALUES ($1, $2, $3, $4) RETURNING id",
-            &[&title, &date, &issue_ids, &body],
+            &[
+                (&title, Type::TEXT),
+                (&date, Type::DATE),
+                (&issue_ids, Type::INT8_ARRAY),
+                (&body, Type::TEXT),
+            ],
         )
         .await?;
     Ok(row.get(0))
@@ -88,15 +93,13 @@ fn from_row(r: &tokio_postgres::Row) -> Result<Briefing, DbError> {
 }
 
 /// One briefing by id, or the newest when `id` is `None`.
-pub async fn get(
-    client: &impl GenericClient,
-    id: Option<i64>,
-) -> Result<Option<Briefing>, DbError> {
+pub async fn get(client: &impl Sql, id: Option<i64>) -> Result<Option<Briefing>, DbError> {
     let row = client
-        .query_opt(
+        .sql()
+        .query_typed_opt(
             "SELECT id, title, briefing_date, issue_ids, body, created_at FROM briefing
               WHERE $1::bigint IS NULL OR id = $1 ORDER BY id DESC LIMIT 1",
-            &[&id],
+            &[(&id, Type::INT8)],
         )
         .await?;
     row.as_ref().map(from_row).transpose()

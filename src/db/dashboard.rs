@@ -12,10 +12,11 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use time::OffsetDateTime;
+use tokio_postgres::types::Type;
 
 use super::briefing::{self, Briefing};
 use super::pipeline_run::{self, RunView};
-use super::DbError;
+use super::{DbError, Sql};
 use crate::status::Status;
 
 /// How many in-flight claims, transitions and runs a snapshot carries.
@@ -100,7 +101,8 @@ pub async fn snapshot(
     // The first statement fixes the snapshot; the log position and the
     // clock come with it.
     let head = tx
-        .query_one(
+        .sql()
+        .query_typed_one(
             "SELECT (SELECT COALESCE(max(seq), 0) FROM issue_transition), now()",
             &[],
         )
@@ -114,12 +116,13 @@ pub async fn snapshot(
         .collect();
 
     let in_flight = tx
-        .query(
+        .sql()
+        .query_typed(
             "SELECT id, title, claimed_by, lease_until, attempts, updated_at
                FROM issue WHERE processing_status = 'IN_PROGRESS' AND lease_until IS NOT NULL
               ORDER BY lease_until, id
               LIMIT $1",
-            &[&limits.in_flight],
+            &[(&limits.in_flight, Type::INT8)],
         )
         .await?
         .iter()
@@ -137,13 +140,14 @@ pub async fn snapshot(
         .collect::<Result<_, DbError>>()?;
 
     let transitions = tx
-        .query(
+        .sql()
+        .query_typed(
             "SELECT t.seq, t.issue_id, i.title, t.from_status, t.to_status, t.at, t.attempts,
                     t.fatal, t.reason
                FROM issue_transition t LEFT JOIN issue i ON i.id = t.issue_id
               ORDER BY t.seq DESC
               LIMIT $1",
-            &[&limits.transitions],
+            &[(&limits.transitions, Type::INT8)],
         )
         .await?
         .into_iter()

@@ -4,11 +4,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use deadpool_postgres::GenericClient;
 use serde::Serialize;
 use time::OffsetDateTime;
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
 
-use super::DbError;
+use super::{DbError, Sql};
 use crate::status::Status;
 
 /// An issue to add.
@@ -100,26 +101,27 @@ pub enum ClaimScope {
 }
 
 /// Adds issues in one statement; returns their ids in input order.
-pub async fn insert_issues(
-    client: &impl GenericClient,
-    issues: &[NewIssue],
-) -> Result<Vec<i64>, DbError> {
+pub async fn insert_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Vec<i64>, DbError> {
     let titles: Vec<&str> = issues.iter().map(|i| i.title.as_str()).collect();
     let bodies: Vec<&str> = issues.iter().map(|i| i.body.as_str()).collect();
     let scores: Vec<f64> = issues.iter().map(|i| i.score).collect();
     let collected: Vec<Option<OffsetDateTime>> = issues.iter().map(|i| i.collected_at).collect();
-    let statement = client
-        .prepare_cached(
+    let rows = client
+        .sql()
+        .query_typed(
             "INSERT INTO issue (title, body, score, collected_at)
              SELECT t, b, s, COALESCE(c, now())
                FROM unnest($1::text[], $2::text[], $3::float8[], $4::timestamptz[])
                     WITH ORDINALITY AS n(t, b, s, c, ord)
               ORDER BY ord
              RETURNING id",
+            &[
+                (&titles, Type::TEXT_ARRAY),
+                (&bodies, Type::TEXT_ARRAY),
+                (&scores, Type::FLOAT8_ARRAY),
+                (&collected, Type::TIMESTAMPTZ_ARRAY),
+            ],
         )
-        .await?;
-    let rows = client
-        .query(&statement, &[&titles, &bodies, &scores, &collected])
         .await?;
     // Identity values are drawn row by row in `ord` order, so sorting the
     // ids restores input order whatever order RETURNING reports them in.
@@ -149,12 +151,13 @@ fn view_from_row(row: &tokio_postgres::Row) -> Result<IssueView, DbError> {
 }
 
 /// One issue, or `None` if there is no such id.
-pub async fn get_issue(client: &impl GenericClient, id: i64) -> Result<Option<IssueView>, DbError> {
-    let statement = client
-        .prepare_cached(&format!("SELECT {VIEW_COLUMNS} FROM issue WHERE id = $1"))
-        .await?;
+pub async fn get_issue(client: &impl Sql, id: i64) -> Result<Option<IssueView>, DbError> {
     client
-        .query_opt(&statement, &[&id])
+        .sql()
+        .query_typed_opt(
+            &format!("SELECT {VIEW_COLUMNS} FROM issue WHERE id = $1"),
+            &[(&id, Type::INT8)],
+        )
         .await?
         .as_ref()
         .map(view_from_row)
@@ -162,17 +165,13 @@ pub async fn get_issue(client: &impl GenericClient, id: i64) -> Result<Option<Is
 }
 
 /// Several issues by id, in id order; unknown ids are simply absent.
-pub async fn get_issues(
-    client: &impl GenericClient,
-    ids: &[i64],
-) -> Result<Vec<IssueView>, DbError> {
-    let statement = client
-        .prepare_cached(&format!(
-            "SELECT {VIEW_COLUMNS} FROM issue WHERE id = ANY($1) ORDER BY id"
-        ))
-        .await?;
+pub async fn get_issues(client: &impl Sql, ids: &[i64]) -> Result<Vec<IssueView>, DbError> {
     client
-        .query(&statement, &[&ids])
+        .sql()
+        .query_typed(
+            &format!("SELECT {VIEW_COLUMNS} FROM issue WHERE id = ANY($1) ORDER BY id"),
+            &[(&ids, Type::INT8_ARRAY)],
+        )
         .await?
         .iter()
         .map(view_from_row)
@@ -180,9 +179,10 @@ pub async fn get_issues(
 }
 
 /// How many issues are in each status (every status listed, zeros included).
-pub async fn count_by_status(client: &impl GenericClient) -> Result<Vec<(Status, i64)>, DbError> {
+pub async fn count_by_status(client: &impl Sql) -> Result<Vec<(Status, i64)>, DbError> {
     let rows = client
-        .query(
+        .sql()
+        .query_typed(
             "SELECT processing_status, count(*) FROM issue GROUP BY processing_status",
             &[],
         )
@@ -242,13 +242,12 @@ pub const CLAIM_STATEMENT: &str = "WITH claimable AS MATERIALIZED (
 /// is computed exactly once. The same statement reports which requested ids
 /// it saw `DONE` (read from its snapshot, so only committed, final states).
 pub async fn claim_issues(
-    client: &impl GenericClient,
+    client: &impl Sql,
     ids: &[i64],
     worker: &str,
     lease: Duration,
     scope: ClaimScope,
 ) -> Result<ClaimOutcome, DbError> {
-    let statement = client.prepare_cached(CLAIM_STATEMENT).await?;
     // The scope as the statement's $4: NULL, -1 (pending only) or the
     // attempts bound of a retry.
     let retry_below: Option<i32> = match scope {
@@ -257,9 +256,15 @@ pub async fn claim_issues(
         ClaimScope::RetryBelow(max) => Some(max),
     };
     let rows = client
-        .query(
-            &statement,
-            &[&ids, &worker, &lease.as_secs_f64(), &retry_below],
+        .sql()
+        .query_typed(
+            CLAIM_STATEMENT,
+            &[
+                (&ids, Type::INT8_ARRAY),
+                (&worker, Type::TEXT),
+                (&lease.as_secs_f64(), Type::FLOAT8),
+                (&retry_below, Type::INT4),
+            ],
         )
         .await?;
     let mut claimed = Vec::new();
@@ -327,18 +332,21 @@ fn single_row_outcome(row: &tokio_postgres::Row) -> Fenced {
 /// transaction of another system would take every pooled connection), and
 /// is tried again soon.
 pub async fn heartbeat(
-    client: &impl GenericClient,
+    client: &impl Sql,
     id: i64,
     claim_id: i64,
     lease: Duration,
 ) -> Result<bool, DbError> {
-    let statement = client
-        .prepare_cached(&single_row_write(
-            "lease_until = now() + make_interval(secs => $3::float8)",
-        ))
-        .await?;
     let row = client
-        .query_one(&statement, &[&id, &claim_id, &lease.as_secs_f64()])
+        .sql()
+        .query_typed_one(
+            &single_row_write("lease_until = now() + make_interval(secs => $3::float8)"),
+            &[
+                (&id, Type::INT8),
+                (&claim_id, Type::INT8),
+                (&lease.as_secs_f64(), Type::FLOAT8),
+            ],
+        )
         .await?;
     match single_row_outcome(&row) {
         Fenced::Written => Ok(true),
@@ -349,13 +357,14 @@ pub async fn heartbeat(
 
 /// Operator reset `FAILED -> PENDING` with a fresh retry budget; returns the
 /// ids that were reset (those that were `FAILED`).
-pub async fn reset_failed(client: &impl GenericClient, ids: &[i64]) -> Result<Vec<i64>, DbError> {
+pub async fn reset_failed(client: &impl Sql, ids: &[i64]) -> Result<Vec<i64>, DbError> {
     let rows = client
-        .query(
+        .sql()
+        .query_typed(
             "UPDATE issue SET processing_status = 'PENDING'
               WHERE id = ANY($1) AND processing_status = 'FAILED'
           RETURNING id",
-            &[&ids],
+            &[(&ids, Type::INT8_ARRAY)],
         )
         .await?;
     let mut reset: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
@@ -431,22 +440,22 @@ pub const COMPLETE_STATEMENT: &str = "WITH input AS (
 /// stored; the others are left alone, [`Fenced::Busy`] if another
 /// transaction held the row. Answers in the order given.
 pub async fn complete(
-    client: &impl GenericClient,
+    client: &impl Sql,
     completions: &[Completion],
     writer: &str,
 ) -> Result<Vec<Fenced>, DbError> {
-    let statement = client.prepare_cached(COMPLETE_STATEMENT).await?;
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
     let current: BTreeMap<(i64, i64), bool> = client
-        .query(
-            &statement,
+        .sql()
+        .query_typed(
+            COMPLETE_STATEMENT,
             &[
-                &column(|c| c.id),
-                &column(|c| c.claim_id),
-                &text(|c| &c.headline),
-                &text(|c| &c.body),
-                &writer,
+                (&column(|c| c.id), Type::INT8_ARRAY),
+                (&column(|c| c.claim_id), Type::INT8_ARRAY),
+                (&text(|c| &c.headline), Type::TEXT_ARRAY),
+                (&text(|c| &c.body), Type::TEXT_ARRAY),
+                (&writer, Type::TEXT),
             ],
         )
         .await?
@@ -479,25 +488,32 @@ pub enum RetryPolicy {
 /// still current; [`Fenced::Busy`], without waiting, if another transaction
 /// holds the row.
 pub async fn fail(
-    client: &impl GenericClient,
+    client: &impl Sql,
     id: i64,
     claim_id: i64,
     reason: &str,
     retry: RetryPolicy,
 ) -> Result<Fenced, DbError> {
-    let statement = client
-        .prepare_cached(&single_row_write(
-            "processing_status = 'FAILED', last_error = $3,
-             retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
-                                     ELSE now() + make_interval(secs => $4::float8) END",
-        ))
-        .await?;
     let (wait, never): (Option<f64>, bool) = match retry {
         RetryPolicy::After(d) => (d.map(|d| d.as_secs_f64()), false),
         RetryPolicy::Never => (None, true),
     };
     let row = client
-        .query_one(&statement, &[&id, &claim_id, &reason, &wait, &never])
+        .sql()
+        .query_typed_one(
+            &single_row_write(
+                "processing_status = 'FAILED', last_error = $3,
+                 retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
+                                         ELSE now() + make_interval(secs => $4::float8) END",
+            ),
+            &[
+                (&id, Type::INT8),
+                (&claim_id, Type::INT8),
+                (&reason, Type::TEXT),
+                (&wait, Type::FLOAT8),
+                (&never, Type::BOOL),
+            ],
+        )
         .await?;
     Ok(single_row_outcome(&row))
 }
@@ -520,14 +536,16 @@ pub async fn release(
     if !attempt_spent {
         // Bound to this very transaction: the trigger compares it with
         // its own transaction id.
-        tx.execute(
-            "SELECT set_config('newsnack.attempt_unspent', txid_current()::text, true)",
-            &[],
-        )
-        .await?;
+        tx.sql()
+            .execute_typed(
+                "SELECT set_config('newsnack.attempt_unspent', txid_current()::text, true)",
+                &[],
+            )
+            .await?;
     }
     let released = tx
-        .execute(
+        .sql()
+        .execute_typed(
             "WITH free AS MATERIALIZED (
                  SELECT i.id FROM issue i
                    JOIN unnest($1::bigint[], $2::bigint[]) AS c(id, claim_id) USING (id, claim_id)
@@ -536,7 +554,11 @@ pub async fn release(
              )
              UPDATE issue i SET processing_status = 'FAILED', last_error = $3, retry_not_before = NULL
               WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free)",
-            &[&ids, &claim_ids, &reason],
+            &[
+                (&ids, Type::INT8_ARRAY),
+                (&claim_ids, Type::INT8_ARRAY),
+                (&reason, Type::TEXT),
+            ],
         )
         .await?;
     tx.commit().await?;
@@ -549,12 +571,10 @@ pub async fn release(
 /// still expired, so an issue completed or heartbeated in between is left
 /// alone; rows locked by a finishing worker are skipped, not waited for.
 /// Runs on any session: the reaper's is the one holding its lock.
-pub async fn reap_expired(
-    client: &impl tokio_postgres::GenericClient,
-    limit: i64,
-) -> Result<Vec<i64>, DbError> {
+pub async fn reap_expired(client: &impl Sql, limit: i64) -> Result<Vec<i64>, DbError> {
     let mut ids: Vec<i64> = client
-        .query(
+        .sql()
+        .query_typed(
             "WITH expired AS MATERIALIZED (
                  SELECT id, claim_id FROM issue
                   WHERE processing_status = 'IN_PROGRESS' AND lease_until < now()
@@ -568,7 +588,7 @@ pub async fn reap_expired(
               WHERE i.id = e.id AND i.claim_id = e.claim_id
                 AND i.processing_status = 'IN_PROGRESS' AND i.lease_until < now()
           RETURNING i.id",
-            &[&limit],
+            &[(&limit, Type::INT8)],
         )
         .await?
         .iter()
@@ -592,21 +612,17 @@ pub struct RetryState {
 }
 
 /// The retry-relevant state of some issues (unknown ids are absent).
-pub async fn retry_state(
-    client: &impl GenericClient,
-    ids: &[i64],
-) -> Result<Vec<RetryState>, DbError> {
-    let statement = client
-        .prepare_cached(
+pub async fn retry_state(client: &impl Sql, ids: &[i64]) -> Result<Vec<RetryState>, DbError> {
+    client
+        .sql()
+        .query_typed(
             "SELECT id, processing_status, attempts,
                     CASE WHEN isfinite(retry_not_before) AND retry_not_before > now()
                          THEN extract(epoch FROM retry_not_before - now())::float8 END,
                     COALESCE(retry_not_before = 'infinity', false)
                FROM issue WHERE id = ANY($1) ORDER BY id",
+            &[(&ids, Type::INT8_ARRAY)],
         )
-        .await?;
-    client
-        .query(&statement, &[&ids])
         .await?
         .iter()
         .map(RetryState::from_row)
@@ -632,16 +648,17 @@ impl RetryState {
 /// `FAILED` issues that still have attempts left, for a retry scheduler
 /// starting up (failures may have happened while nothing was running).
 pub async fn failed_with_attempts_left(
-    client: &impl GenericClient,
+    client: &impl Sql,
     max_attempts: i32,
 ) -> Result<Vec<i64>, DbError> {
     Ok(client
-        .query(
+        .sql()
+        .query_typed(
             "SELECT id FROM issue
               WHERE processing_status = 'FAILED' AND attempts < $1
                 AND (retry_not_before IS NULL OR retry_not_before <> 'infinity')
               ORDER BY id",
-            &[&max_attempts],
+            &[(&max_attempts, Type::INT4)],
         )
         .await?
         .iter()
@@ -654,11 +671,12 @@ pub async fn failed_with_attempts_left(
 /// rows, and (the log being commit-ordered) every later one has a larger
 /// `seq`.
 pub async fn wait_targets(
-    client: &impl GenericClient,
+    client: &impl Sql,
     ids: &[i64],
 ) -> Result<(Vec<RetryState>, i64), DbError> {
-    let statement = client
-        .prepare_cached(
+    let rows = client
+        .sql()
+        .query_typed(
             "SELECT id, processing_status, attempts,
                     CASE WHEN isfinite(retry_not_before) AND retry_not_before > now()
                          THEN extract(epoch FROM retry_not_before - now())::float8 END,
@@ -667,9 +685,9 @@ pub async fn wait_targets(
                FROM issue WHERE id = ANY($1)
               UNION ALL
              SELECT NULL, NULL, NULL, NULL, NULL, (SELECT COALESCE(max(seq), 0) FROM issue_transition)",
+            &[(&ids, Type::INT8_ARRAY)],
         )
         .await?;
-    let rows = client.query(&statement, &[&ids]).await?;
     let mut seq = 0;
     let mut targets = Vec::new();
     for r in rows {

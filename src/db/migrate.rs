@@ -3,6 +3,7 @@
 //! do not race. Migrations that name their schema write `@extschema@`,
 //! which becomes the schema they run in.
 
+use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 
 use super::{advisory, DbError};
@@ -122,12 +123,15 @@ pub async fn migrate_up_to(
     last: Option<i32>,
 ) -> Result<MigrationReport, DbError> {
     let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&advisory::MIGRATIONS])
-        .await?;
+    tx.execute_typed(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[(&advisory::MIGRATIONS, Type::INT8)],
+    )
+    .await?;
     // The schema every unqualified name below lands in, quoted for the
     // migrations that name it.
     let row = tx
-        .query_one(
+        .query_typed_one(
             "SELECT current_schema(), quote_ident(current_schema())",
             &[],
         )
@@ -149,7 +153,7 @@ pub async fn migrate_up_to(
     )
     .await?;
     let done: Vec<i32> = tx
-        .query(
+        .query_typed(
             "SELECT version FROM newsnack_migration ORDER BY version",
             &[],
         )
@@ -180,9 +184,12 @@ pub async fn migrate_up_to(
     for migration in pending {
         tx.batch_execute(&for_schema(migration.sql, &quoted_schema))
             .await?;
-        tx.execute(
+        tx.execute_typed(
             "INSERT INTO newsnack_migration (version, name) VALUES ($1, $2)",
-            &[&migration.version, &migration.name],
+            &[
+                (&migration.version, Type::INT4),
+                (&migration.name, Type::TEXT),
+            ],
         )
         .await?;
         applied.push(migration.version);

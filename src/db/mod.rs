@@ -4,28 +4,93 @@
 pub mod advisory;
 pub mod briefing;
 pub mod dashboard;
+pub mod endpoint;
 pub mod issue;
 pub mod migrate;
 pub mod pipeline_run;
 pub mod role;
 pub mod setting;
+pub mod tls;
 pub mod transition;
 
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures::future::BoxFuture;
-use tokio_postgres::NoTls;
 
-/// The pooled connections every request and worker borrows from.
-pub type DbPool = Pool;
+pub use endpoint::{Database, Endpoint};
+
+/// The pooled connections every request and worker borrows from, with the
+/// endpoint they come from. Dereferences to the deadpool pool.
+#[derive(Clone)]
+pub struct DbPool {
+    pool: Pool,
+    endpoint: Endpoint,
+}
+
+impl std::ops::Deref for DbPool {
+    type Target = Pool;
+
+    fn deref(&self) -> &Pool {
+        &self.pool
+    }
+}
+
+impl DbPool {
+    /// Where the pool's sessions come from.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+}
+
+/// What a statement runs on: a session, pooled or not, or a transaction.
+///
+/// Every statement goes out unnamed, parsed, bound and run in one round
+/// trip (`query_typed`, with its parameters' types given): nothing is left
+/// on the server's session between transactions, so a transaction pooler
+/// (PgBouncer in transaction mode) may run each transaction on another
+/// server session.
+pub trait Sql: Sync {
+    type On: tokio_postgres::GenericClient + Sync;
+    fn sql(&self) -> &Self::On;
+}
+
+impl Sql for tokio_postgres::Client {
+    type On = Self;
+    fn sql(&self) -> &Self {
+        self
+    }
+}
+
+impl Sql for tokio_postgres::Transaction<'_> {
+    type On = Self;
+    fn sql(&self) -> &Self {
+        self
+    }
+}
+
+impl Sql for deadpool_postgres::Client {
+    type On = tokio_postgres::Client;
+    fn sql(&self) -> &tokio_postgres::Client {
+        self
+    }
+}
+
+impl<'a> Sql for deadpool_postgres::Transaction<'a> {
+    type On = tokio_postgres::Transaction<'a>;
+    fn sql(&self) -> &tokio_postgres::Transaction<'a> {
+        self
+    }
+}
 
 /// Errors from talking to PostgreSQL.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("invalid database URL: {0}")]
     BadUrl(String),
-    #[error("no database connection available: {0}")]
+    #[error("invalid database URL: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("{}", describe_pool(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("database error: {}", describe(.0))]
     Postgres(#[from] tokio_postgres::Error),
@@ -64,8 +129,8 @@ impl DbError {
     /// True for a fault that may pass by itself: no connection in time, a
     /// connection that could not be made or was lost, a server shutting
     /// down or out of resources, a serialisation failure or deadlock, a row
-    /// another transaction held. Not for a statement the server refused on
-    /// its merits.
+    /// another transaction held, a read-only session (a failover). Not for
+    /// a statement the server refused on its merits.
     pub fn is_transient(&self) -> bool {
         fn server_says_transient(e: &tokio_postgres::Error) -> bool {
             match e.code() {
@@ -73,7 +138,7 @@ impl DbError {
                 None => true,
                 Some(code) => {
                     let code = code.code();
-                    ["08", "53", "57P", "40001", "40P01"]
+                    ["08", "53", "57P", "40001", "40P01", "25006"]
                         .iter()
                         .any(|prefix| code.starts_with(prefix))
                 }
@@ -86,6 +151,35 @@ impl DbError {
             DbError::RowLocked(_) | DbError::TimedOut(_) => true,
             _ => false,
         }
+    }
+
+    /// True for a fault that makes the session it happened on useless for
+    /// the service: a read-only transaction (a primary demoted by a
+    /// failover, while new sessions would reach the new one), an
+    /// administrator's or crash shutdown, or a lost connection. Such a
+    /// session is dropped, never used again.
+    pub fn ends_session(&self) -> bool {
+        fn server_says(e: &tokio_postgres::Error) -> bool {
+            match e.code() {
+                None => e.is_closed() || e.as_db_error().is_none(),
+                Some(code) => {
+                    let code = code.code();
+                    code == "25006" || code.starts_with("57P")
+                }
+            }
+        }
+        match self {
+            DbError::Postgres(e) | DbError::Pool(deadpool_postgres::PoolError::Backend(e)) => {
+                server_says(e)
+            }
+            _ => false,
+        }
+    }
+
+    /// True when the database refused a write because the session is
+    /// read-only: a failover in progress, or a standby.
+    pub fn is_read_only(&self) -> bool {
+        self.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION)
     }
 
     /// True when the pool could not hand out a connection in time.
@@ -135,41 +229,66 @@ pub(crate) fn time_column<'a, T: tokio_postgres::types::FromSql<'a>>(
     })
 }
 
-/// Renders a tokio-postgres error with the server's message when it has one
-/// (its `Display` alone says only "db error").
+/// Renders a tokio-postgres error in one line that names the cause: the
+/// server's message when it sent one (its `Display` alone says only "db
+/// error"), a refused certificate or a TLS demand the server cannot meet in
+/// words, and otherwise the chain of causes.
 fn describe(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => db.message().to_string(),
-        None => {
-            let mut text = e.to_string();
-            let mut source = std::error::Error::source(e);
-            while let Some(s) = source {
-                text.push_str(": ");
-                text.push_str(&s.to_string());
-                source = s.source();
-            }
-            text
+    if let Some(db) = e.as_db_error() {
+        let message = db.message();
+        // pg_hba.conf refused a session without TLS.
+        if db.code() == &tokio_postgres::error::SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+            && message.ends_with("no encryption")
+        {
+            return format!(
+                "{message} (the server accepts only encrypted sessions here: use sslmode=require or stronger)"
+            );
         }
+        return message.to_string();
     }
+    let mut causes: Vec<String> = Vec::new();
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        // An I/O error that wraps the handshake's error hides it from
+        // `source()`: look inside.
+        let inner = s
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|inner| inner as &(dyn std::error::Error + 'static));
+        for candidate in [Some(s), inner].into_iter().flatten() {
+            if let Some(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other))) =
+                candidate.downcast_ref::<rustls::Error>()
+            {
+                if let Some(refused) = other.0.downcast_ref::<tls::CertificateRefused>() {
+                    return format!("TLS handshake failed: {refused}");
+                }
+            }
+            if let Some(tls_error) = candidate.downcast_ref::<rustls::Error>() {
+                return format!("TLS handshake failed: {tls_error}");
+            }
+        }
+        let text = s.to_string();
+        if text == "server does not support TLS" {
+            return "the server does not accept TLS connections (its ssl setting is off), \
+                    but the URL's sslmode requires TLS"
+                .to_string();
+        }
+        if causes.last() != Some(&text) {
+            causes.push(text);
+        }
+        source = s.source();
+    }
+    causes.join(": ")
 }
 
-/// Parses a URL into a connection config tagged with `application_name`
-/// (so `pg_stat_activity` and `newsnack locks` say who is who) and TCP
-/// keepalives (so a half-open connection is noticed).
-pub fn pg_config(url: &str, application_name: &str) -> Result<tokio_postgres::Config, DbError> {
-    let mut config: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e: tokio_postgres::Error| DbError::BadUrl(describe(&e)))?;
-    if config.get_application_name().is_none() {
-        config.application_name(application_name);
+/// Renders a pool error with the cause of a failed connection.
+fn describe_pool(e: &deadpool_postgres::PoolError) -> String {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => {
+            format!("cannot connect to the database: {}", describe(e))
+        }
+        other => format!("no database connection available: {other}"),
     }
-    config
-        .connect_timeout(Duration::from_secs(5))
-        .keepalives(true)
-        .keepalives_idle(Duration::from_secs(10))
-        .keepalives_interval(Duration::from_secs(5))
-        .keepalives_retries(3);
-    Ok(config)
 }
 
 /// How a pool behaves when it is busy.
@@ -189,31 +308,51 @@ impl Default for PoolOptions {
     }
 }
 
-/// Builds a pool. Connections are opened lazily, on first use.
-///
-/// Its sessions plan prepared statements once (`plan_cache_mode =
-/// force_generic_plan`): the service's statements look rows up by id, so
-/// their best plan does not depend on the values bound, and re-planning the
-/// claim statement for every call (PostgreSQL's default for its first runs,
-/// and for good whenever a custom plan looks cheaper) was a third of the
-/// database's CPU time under a claim storm (`benches/http_claims.rs`).
-pub fn pool(mut config: tokio_postgres::Config, options: &PoolOptions) -> Result<DbPool, DbError> {
-    let options_given = config.get_options().unwrap_or_default();
-    config.options(format!("{options_given} -c plan_cache_mode=force_generic_plan").trim());
-    let manager = Manager::from_config(
-        config,
-        NoTls,
+/// Builds a pool of sessions from `endpoint`, opened lazily, on first use.
+/// Nothing is set on a session at start-up and nothing assumed of it
+/// between transactions, so the endpoint may be a transaction pooler.
+pub fn pool(endpoint: &Endpoint, options: &PoolOptions) -> Result<DbPool, DbError> {
+    let manager = Manager::from_connect(
+        endpoint.config().clone(),
+        PoolConnect(endpoint.clone()),
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
     );
-    Pool::builder(manager)
+    let pool = Pool::builder(manager)
         .max_size(options.max_size)
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(options.wait_timeout))
         .create_timeout(Some(Duration::from_secs(5)))
         .build()
-        .map_err(|e| DbError::Invalid(format!("cannot build the connection pool: {e}")))
+        .map_err(|e| DbError::Invalid(format!("cannot build the connection pool: {e}")))?;
+    Ok(DbPool {
+        pool,
+        endpoint: endpoint.clone(),
+    })
+}
+
+/// How the pool opens a session: through its endpoint, TLS and all.
+struct PoolConnect(Endpoint);
+
+impl deadpool_postgres::Connect for PoolConnect {
+    fn connect(
+        &self,
+        _: &tokio_postgres::Config,
+    ) -> BoxFuture<
+        '_,
+        Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>,
+    > {
+        Box::pin(async move {
+            let (client, connection, _) = self.0.connect_raw().await?;
+            let driver = tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::debug!(error = %e, "pooled connection closed");
+                }
+            });
+            Ok((client, driver))
+        })
+    }
 }
 
 /// Runs `query` on a session from `pool` and gives up after `limit`, the
@@ -249,8 +388,9 @@ pub async fn bounded<T: Send + 'static>(
         }
         let cancel = client.cancel_token();
         drop(deadpool_postgres::Object::take(client));
+        let endpoint = pool.endpoint().clone();
         tokio::spawn(async move {
-            let error = match tokio::time::timeout(limit, cancel.cancel_query(NoTls)).await {
+            let error = match tokio::time::timeout(limit, endpoint.cancel(&cancel)).await {
                 Ok(Ok(())) => return,
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => "no answer".to_string(),
@@ -264,28 +404,4 @@ pub async fn bounded<T: Send + 'static>(
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => Err(DbError::TimedOut(limit)),
     }
-}
-
-/// Opens one connection outside any pool and drives it in the background.
-/// For sessions that must not go back to a pool: advisory-lock holders and
-/// one-shot commands.
-pub async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Client, DbError> {
-    Ok(connect_watched(config).await?.0)
-}
-
-/// [`connect`], with a token cancelled as soon as the session ends (closed
-/// by the server, e.g. `pg_terminate_backend`, or by a broken connection).
-pub async fn connect_watched(
-    config: &tokio_postgres::Config,
-) -> Result<(tokio_postgres::Client, tokio_util::sync::CancellationToken), DbError> {
-    let (client, connection) = config.connect(NoTls).await?;
-    let ended = tokio_util::sync::CancellationToken::new();
-    let signal = ended.clone();
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "dedicated connection closed");
-        }
-        signal.cancel();
-    });
-    Ok((client, ended))
 }

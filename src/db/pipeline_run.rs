@@ -1,10 +1,11 @@
 //! Queries on `pipeline_run`: the record of every pipeline run.
 
-use deadpool_postgres::GenericClient;
 use serde::Serialize;
 use time::OffsetDateTime;
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
 
-use super::DbError;
+use super::{DbError, Sql};
 
 /// What a finished run decided.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -42,32 +43,36 @@ pub struct RunView {
 /// Records the start of a run. For a scheduled run, `None` when its tick
 /// already has a run (another instance took it).
 pub async fn start(
-    client: &impl GenericClient,
+    client: &impl Sql,
     trigger: &str,
     tick: Option<OffsetDateTime>,
     instance: &str,
     settings: &serde_json::Value,
 ) -> Result<Option<i64>, DbError> {
     let row = client
-        .query_opt(
+        .sql()
+        .query_typed_opt(
             "INSERT INTO pipeline_run (trigger, tick, instance, settings) VALUES ($1, $2, $3, $4)
              ON CONFLICT (tick) WHERE trigger = 'schedule' DO NOTHING
              RETURNING id",
-            &[&trigger, &tick, &instance, settings],
+            &[
+                (&trigger, Type::TEXT),
+                (&tick, Type::TIMESTAMPTZ),
+                (&instance, Type::TEXT),
+                (settings, Type::JSONB),
+            ],
         )
         .await?;
     Ok(row.map(|r| r.get(0)))
 }
 
 /// Whether a scheduled run of `tick` was recorded, whatever its outcome.
-pub async fn tick_has_run(
-    client: &impl GenericClient,
-    tick: OffsetDateTime,
-) -> Result<bool, DbError> {
+pub async fn tick_has_run(client: &impl Sql, tick: OffsetDateTime) -> Result<bool, DbError> {
     Ok(client
-        .query_one(
+        .sql()
+        .query_typed_one(
             "SELECT EXISTS (SELECT 1 FROM pipeline_run WHERE trigger = 'schedule' AND tick = $1)",
-            &[&tick],
+            &[(&tick, Type::TIMESTAMPTZ)],
         )
         .await?
         .get(0))
@@ -75,9 +80,10 @@ pub async fn tick_has_run(
 
 /// Marks runs left `running` by an instance that died as `abandoned`.
 /// Call only while holding the pipeline lock (so none is really running).
-pub async fn abandon_stale(client: &impl GenericClient) -> Result<u64, DbError> {
+pub async fn abandon_stale(client: &impl Sql) -> Result<u64, DbError> {
     Ok(client
-        .execute(
+        .sql()
+        .execute_typed(
             "UPDATE pipeline_run SET outcome = 'abandoned', finished_at = now(),
                     error = 'its instance stopped, or could not record the outcome, before the run finished'
               WHERE outcome = 'running'",
@@ -90,27 +96,24 @@ pub async fn abandon_stale(client: &impl GenericClient) -> Result<u64, DbError> 
 /// (another instance, holding the pipeline lock after this one lost it,
 /// marked it `abandoned`). The update's row lock orders it with that
 /// instance's [`abandon_stale`]: exactly one of the two writes the outcome.
-pub async fn finish(
-    client: &impl GenericClient,
-    id: i64,
-    record: &RunRecord,
-) -> Result<bool, DbError> {
+pub async fn finish(client: &impl Sql, id: i64, record: &RunRecord) -> Result<bool, DbError> {
     let updated = client
-        .execute(
+        .sql()
+        .execute_typed(
             "UPDATE pipeline_run SET finished_at = now(), outcome = $2, targets = $3, claimed = $4,
                     completed = $5, failed = $6, unfinished = $7, waited_ms = $8, briefing_id = $9, error = $10
               WHERE id = $1 AND outcome = 'running'",
             &[
-                &id,
-                &record.outcome,
-                &record.targets,
-                &record.claimed,
-                &record.completed,
-                &record.failed,
-                &record.unfinished,
-                &record.waited_ms,
-                &record.briefing_id,
-                &record.error,
+                (&id, Type::INT8),
+                (&record.outcome, Type::TEXT),
+                (&record.targets, Type::INT8_ARRAY),
+                (&record.claimed, Type::INT8_ARRAY),
+                (&record.completed, Type::INT8_ARRAY),
+                (&record.failed, Type::INT8_ARRAY),
+                (&record.unfinished, Type::INT8_ARRAY),
+                (&record.waited_ms, Type::INT8),
+                (&record.briefing_id, Type::INT8),
+                (&record.error, Type::TEXT),
             ],
         )
         .await?;
@@ -121,15 +124,12 @@ pub async fn finish(
 /// error: once a commit whose answer was lost (the connection broke while
 /// committing) has ended, whether it landed. Another writer's outcome
 /// (`abandon_stale`'s) differs in its error.
-pub async fn recorded_as(
-    client: &impl GenericClient,
-    id: i64,
-    record: &RunRecord,
-) -> Result<bool, DbError> {
+pub async fn recorded_as(client: &impl Sql, id: i64, record: &RunRecord) -> Result<bool, DbError> {
     let row = client
-        .query_opt(
+        .sql()
+        .query_typed_opt(
             "SELECT outcome, briefing_id, error FROM pipeline_run WHERE id = $1",
-            &[&id],
+            &[(&id, Type::INT8)],
         )
         .await?;
     Ok(row.is_some_and(|r| {
@@ -140,13 +140,14 @@ pub async fn recorded_as(
 }
 
 /// The newest runs first.
-pub async fn recent(client: &impl GenericClient, limit: i64) -> Result<Vec<RunView>, DbError> {
+pub async fn recent(client: &impl Sql, limit: i64) -> Result<Vec<RunView>, DbError> {
     let rows = client
-        .query(
+        .sql()
+        .query_typed(
             "SELECT id, trigger, tick, instance, started_at, finished_at, outcome, targets, completed,
                     briefing_id, error
                FROM pipeline_run ORDER BY id DESC LIMIT $1",
-            &[&limit],
+            &[(&limit, Type::INT8)],
         )
         .await?;
     rows.iter()
@@ -176,14 +177,15 @@ pub async fn recent(client: &impl GenericClient, limit: i64) -> Result<Vec<RunVi
 /// `within_s` from now (the server's `Retry-After`). Hottest first; for
 /// each, whether it is `PENDING`.
 pub async fn select_targets(
-    client: &impl GenericClient,
+    client: &impl Sql,
     top_k: i64,
     lookback_hours: i64,
     max_attempts: i64,
     within_s: f64,
 ) -> Result<Vec<(i64, bool)>, DbError> {
     Ok(client
-        .query(
+        .sql()
+        .query_typed(
             "SELECT id, processing_status = 'PENDING' FROM issue
               WHERE collected_at >= now() - make_interval(hours => $2::integer)
                 AND processing_status <> 'DONE'
@@ -193,10 +195,10 @@ pub async fn select_targets(
               ORDER BY score DESC, id
               LIMIT $1",
             &[
-                &top_k,
-                &(lookback_hours as i32),
-                &(max_attempts.min(i32::MAX as i64) as i32),
-                &within_s,
+                (&top_k, Type::INT8),
+                (&(lookback_hours as i32), Type::INT4),
+                (&(max_attempts.min(i32::MAX as i64) as i32), Type::INT4),
+                (&within_s, Type::FLOAT8),
             ],
         )
         .await?

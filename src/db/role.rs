@@ -11,6 +11,7 @@
 //! owner of `issue` (the role that ran the migrations): other tables that
 //! share the schema are left alone.
 
+use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Transaction};
 
 use super::{advisory, migrate, DbError};
@@ -138,17 +139,20 @@ pub async fn grant(
 ) -> Result<GrantReport, GrantError> {
     let tx = client.transaction().await?;
     // No migration adds a table halfway through.
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&advisory::MIGRATIONS])
-        .await?;
+    tx.execute_typed(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[(&advisory::MIGRATIONS, Type::INT8)],
+    )
+    .await?;
     let facts = facts(&tx, role).await?;
     let relations = tx
-        .query(
+        .query_typed(
             "SELECT format('%I.%I', n.nspname, c.relname), c.relkind = 'S'
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
               WHERE n.nspname = $1 AND c.relowner = $2::oid
                 AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')
               ORDER BY c.relname",
-            &[&facts.schema, &facts.owner],
+            &[(&facts.schema, Type::TEXT), (&facts.owner, Type::OID)],
         )
         .await?;
     let (sequences, tables): (Vec<_>, Vec<_>) = relations
@@ -164,10 +168,10 @@ pub async fn grant(
     }
 
     let usage: bool = tx
-        .query_one(
+        .query_typed_one(
             "SELECT has_schema_privilege($1::oid, n.oid, 'USAGE')
                FROM pg_namespace n WHERE n.nspname = $2",
-            &[&facts.role, &facts.schema],
+            &[(&facts.role, Type::OID), (&facts.schema, Type::TEXT)],
         )
         .await?
         .get(0);
@@ -210,7 +214,7 @@ pub async fn grant(
 /// Reads what a grant needs to know and refuses what it cannot do.
 async fn facts(tx: &Transaction<'_>, role: &str) -> Result<Facts, GrantError> {
     let row = tx
-        .query_one(
+        .query_typed_one(
             "SELECT current_schema(), quote_ident(current_schema())",
             &[],
         )
@@ -228,7 +232,7 @@ async fn facts(tx: &Transaction<'_>, role: &str) -> Result<Facts, GrantError> {
         needed,
     };
     let Some(issue) = tx
-        .query_opt(
+        .query_typed_opt(
             "SELECT c.oid, c.relowner, pg_get_userbyid(c.relowner)::text,
                     format('%I.%I', n.nspname, c.relname),
                     pg_has_role(current_user, c.relowner, 'USAGE'), current_user::text,
@@ -239,7 +243,7 @@ async fn facts(tx: &Transaction<'_>, role: &str) -> Result<Facts, GrantError> {
                     to_regclass(format('%I.newsnack_migration', n.nspname)) IS NOT NULL
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
               WHERE n.nspname = $1 AND c.relname = 'issue' AND c.relkind IN ('r', 'p')",
-            &[&schema],
+            &[(&schema, Type::TEXT)],
         )
         .await?
     else {
@@ -256,7 +260,7 @@ async fn facts(tx: &Transaction<'_>, role: &str) -> Result<Facts, GrantError> {
         });
     }
     let version: Option<i32> = tx
-        .query_one(
+        .query_typed_one(
             &format!("SELECT max(version) FROM {quoted_schema}.newsnack_migration"),
             &[],
         )
@@ -270,14 +274,18 @@ async fn facts(tx: &Transaction<'_>, role: &str) -> Result<Facts, GrantError> {
     }
     let owner: u32 = issue.get(1);
     let Some(target) = tx
-        .query_opt(
+        .query_typed_opt(
             "SELECT r.oid, quote_ident(r.rolname), r.rolsuper, r.rolbypassrls,
                     pg_has_role(r.oid, $2::oid, 'MEMBER'),
                     pg_has_role(r.oid, n.nspowner, 'MEMBER'),
                     r.oid = $2::oid, r.oid = n.nspowner
                FROM pg_roles r, pg_namespace n
               WHERE r.rolname = $1 AND n.nspname = $3",
-            &[&role, &owner, &schema],
+            &[
+                (&role, Type::TEXT),
+                (&owner, Type::OID),
+                (&schema, Type::TEXT),
+            ],
         )
         .await?
     else {
@@ -385,7 +393,7 @@ async fn beyond(
         RoleKind::Reader => (&[], &[]),
     };
     let rows = tx
-        .query(
+        .query_typed(
             "WITH rel AS (
                  SELECT c.oid, format('%I.%I', n.nspname, c.relname) AS name, c.relkind
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -417,12 +425,12 @@ async fn beyond(
                 AND NOT EXISTS (SELECT 1 FROM aclexplode(n.nspacl) a
                                  WHERE a.grantee = 0 AND a.privilege_type = 'CREATE')",
             &[
-                &facts.role,
-                &facts.schema,
-                &facts.owner,
-                &facts.issue,
-                &insert,
-                &update,
+                (&facts.role, Type::OID),
+                (&facts.schema, Type::TEXT),
+                (&facts.owner, Type::OID),
+                (&facts.issue, Type::OID),
+                (&insert, Type::TEXT_ARRAY),
+                (&update, Type::TEXT_ARRAY),
             ],
         )
         .await?;

@@ -2,10 +2,11 @@
 //! database trigger, so SQL writers and `newsnack settings set` get the same
 //! answers.
 
-use deadpool_postgres::GenericClient;
 use serde::Serialize;
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
 
-use super::DbError;
+use super::{DbError, Sql};
 
 /// A setting with its current value and what it may be.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -19,9 +20,10 @@ pub struct SettingRow {
 }
 
 /// Every known setting; a key without a row shows its default.
-pub async fn list(client: &impl GenericClient) -> Result<Vec<SettingRow>, DbError> {
+pub async fn list(client: &impl Sql) -> Result<Vec<SettingRow>, DbError> {
     let rows = client
-        .query(
+        .sql()
+        .query_typed(
             "SELECT sp.key, COALESCE(s.value, sp.default_value), sp.default_value,
                     sp.min_value, sp.max_value, sp.description
                FROM setting_spec sp LEFT JOIN setting s ON s.key = sp.key
@@ -45,13 +47,14 @@ pub async fn list(client: &impl GenericClient) -> Result<Vec<SettingRow>, DbErro
 /// Sets one value; the trigger rejects unknown keys and bad values (a
 /// `schedule` field by field) with a message that says why. Returns the
 /// value as stored (normalised).
-pub async fn set(client: &impl GenericClient, key: &str, value: &str) -> Result<String, DbError> {
+pub async fn set(client: &impl Sql, key: &str, value: &str) -> Result<String, DbError> {
     let row = client
-        .query_one(
+        .sql()
+        .query_typed_one(
             "INSERT INTO setting (key, value) VALUES ($1, $2)
              ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
              RETURNING value",
-            &[&key, &value],
+            &[(&key, Type::TEXT), (&value, Type::TEXT)],
         )
         .await?;
     Ok(row.get(0))

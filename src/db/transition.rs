@@ -1,9 +1,10 @@
 //! Reads of the durable transition log `issue_transition`. Rows are only
 //! ever appended, by the trigger in `sql/0002_transitions.sql`.
 
-use tokio_postgres::GenericClient;
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
 
-use super::DbError;
+use super::{DbError, Sql};
 use crate::transition::Transition;
 
 /// [`read_after`] over the whole log: a range of the primary key. Public,
@@ -27,16 +28,32 @@ pub const READ_AFTER_FOR_ISSUE: &str =
 /// for one issue only. Because `seq` is allocated in commit order, a reader
 /// that resumes from the last `seq` it saw never skips a row.
 pub async fn read_after(
-    client: &impl GenericClient,
+    client: &impl Sql,
     after_seq: i64,
     issue_id: Option<i64>,
     limit: i64,
 ) -> Result<Vec<Transition>, DbError> {
     let rows = match issue_id {
-        None => client.query(READ_AFTER, &[&after_seq, &limit]).await?,
+        None => {
+            client
+                .sql()
+                .query_typed(
+                    READ_AFTER,
+                    &[(&after_seq, Type::INT8), (&limit, Type::INT8)],
+                )
+                .await?
+        }
         Some(issue_id) => {
             client
-                .query(READ_AFTER_FOR_ISSUE, &[&after_seq, &issue_id, &limit])
+                .sql()
+                .query_typed(
+                    READ_AFTER_FOR_ISSUE,
+                    &[
+                        (&after_seq, Type::INT8),
+                        (&issue_id, Type::INT8),
+                        (&limit, Type::INT8),
+                    ],
+                )
                 .await?
         }
     };
@@ -62,9 +79,10 @@ pub async fn read_after(
 }
 
 /// The newest `seq` in the log, 0 when it is empty.
-pub async fn last_seq(client: &impl GenericClient) -> Result<i64, DbError> {
+pub async fn last_seq(client: &impl Sql) -> Result<i64, DbError> {
     let row = client
-        .query_one("SELECT COALESCE(max(seq), 0) FROM issue_transition", &[])
+        .sql()
+        .query_typed_one("SELECT COALESCE(max(seq), 0) FROM issue_transition", &[])
         .await?;
     Ok(row.get(0))
 }

@@ -79,7 +79,10 @@ impl Writer for DemoWriter {
 /// throwaway database it creates on that server, so that nothing in the
 /// database named there (its issues, settings, briefings, runs) is
 /// touched. Either is removed when the demo ends, on error and Ctrl-C too.
-pub async fn run(database_url: Option<&str>) -> Result<(), DemoError> {
+pub async fn run(
+    database_url: Option<&str>,
+    direct_database_url: Option<&str>,
+) -> Result<(), DemoError> {
     let out = &mut std::io::stdout();
     let style = if out.is_terminal() {
         TailStyle::Color
@@ -90,20 +93,21 @@ pub async fn run(database_url: Option<&str>) -> Result<(), DemoError> {
     // let it be stopped and deleted.
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
-    let (url, place) = match database_url {
+    let (database, place) = match database_url {
         None => {
             say(
                 out,
                 "newsnack demo: starting a throwaway PostgreSQL (nothing to configure)…",
             );
-            let (url, cluster) = serve::database(None).await?;
-            (url, Place::Cluster(cluster))
+            let (database, url, cluster) = serve::database(None, None).await?;
+            (database, Place::Cluster { cluster, url })
         }
         Some(server) => {
             say(
                 out,
                 "newsnack demo: creating a throwaway database on DATABASE_URL's server…",
             );
+            let server = db::Database::parse(server, direct_database_url, "newsnack-demo")?;
             Place::create_database(server).await?
         }
     };
@@ -112,8 +116,8 @@ pub async fn run(database_url: Option<&str>) -> Result<(), DemoError> {
         say(out, &format!("Interrupted: {gone}."));
         return Ok(());
     }
-    say(out, &format!("  database: {}", place.describe(&url)));
-    let result = show(&url, style, &shutdown).await;
+    say(out, &format!("  database: {}", place.describe()));
+    let result = show(&database, style, &shutdown).await;
     let gone = place.remove().await;
     let end = if result.is_ok() { "Done" } else { "Stopped" };
     say(out, &format!("\n{end}: {gone}."));
@@ -122,19 +126,20 @@ pub async fn run(database_url: Option<&str>) -> Result<(), DemoError> {
 
 /// Where the demo runs; [`Place::remove`] takes it away again.
 enum Place {
-    /// A throwaway cluster of its own.
-    Cluster(Option<EmbeddedPostgres>),
-    /// A throwaway database `name` it created on the server of `server`
-    /// (DATABASE_URL).
-    Database { server: String, name: String },
+    /// A throwaway cluster of its own, at `url`.
+    Cluster {
+        cluster: Option<EmbeddedPostgres>,
+        url: String,
+    },
+    /// A throwaway database `name` it created on DATABASE_URL's server.
+    Database { server: db::Database, name: String },
 }
 
 impl Place {
-    /// Creates a database of the demo's own on the server of `server_url`;
-    /// returns the URL of that database.
-    async fn create_database(server_url: &str) -> Result<(String, Place), DemoError> {
-        let config = db::pg_config(server_url, "newsnack-demo")?;
-        let admin = db::connect(&config).await?;
+    /// Creates a database of the demo's own on `server`; returns the
+    /// endpoints of that database.
+    async fn create_database(server: db::Database) -> Result<(db::Database, Place), DemoError> {
+        let admin = server.pooled.connect().await?;
         let name = format!(
             "newsnack_demo_{}_{:08x}",
             std::process::id(),
@@ -144,42 +149,21 @@ impl Place {
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await
             .map_err(|e| DemoError::CannotCreate(DbError::from(e).to_string()))?;
-        let url = with_database(server_url, &name);
-        // The URL must name the new database, or the demo would run in the
-        // one DATABASE_URL names.
-        let place = Place::Database {
-            server: server_url.to_string(),
-            name: name.clone(),
+        let database = db::Database {
+            pooled: server.pooled.with_dbname(&name),
+            direct: server.direct.with_dbname(&name),
         };
-        match db::pg_config(&url, "newsnack-demo").map(|c| c.get_dbname() == Some(&name)) {
-            Ok(true) => Ok((url, place)),
-            _ => {
-                place.remove().await;
-                Err(DemoError::CannotCreate(
-                    "cannot address a new database through DATABASE_URL".into(),
-                ))
-            }
-        }
+        Ok((database, Place::Database { server, name }))
     }
 
     /// What to print as "database:" (never a password).
-    fn describe(&self, url: &str) -> String {
+    fn describe(&self) -> String {
         match self {
-            Place::Cluster(_) => url.to_string(),
-            Place::Database { server, name } => {
-                let at = db::pg_config(server, "newsnack-demo")
-                    .ok()
-                    .and_then(|c| {
-                        let host = match c.get_hosts().first()? {
-                            tokio_postgres::config::Host::Tcp(host) => host.clone(),
-                            tokio_postgres::config::Host::Unix(dir) => dir.display().to_string(),
-                        };
-                        let port = c.get_ports().first().copied().unwrap_or(5432);
-                        Some(format!("{host}:{port}"))
-                    })
-                    .unwrap_or_else(|| "DATABASE_URL's server".into());
-                format!("{name} on {at} (throwaway, from DATABASE_URL; dropped on exit)")
-            }
+            Place::Cluster { url, .. } => url.clone(),
+            Place::Database { server, name } => format!(
+                "{name} on {} (throwaway, from DATABASE_URL; dropped on exit)",
+                server.pooled.describe()
+            ),
         }
     }
 
@@ -187,7 +171,7 @@ impl Place {
     /// became of it.
     async fn remove(self) -> String {
         match self {
-            Place::Cluster(cluster) => {
+            Place::Cluster { cluster, .. } => {
                 tokio::task::spawn_blocking(move || drop(cluster))
                     .await
                     .ok();
@@ -195,7 +179,7 @@ impl Place {
             }
             Place::Database { server, name } => {
                 let dropped = async {
-                    let admin = db::connect(&db::pg_config(&server, "newsnack-demo")?).await?;
+                    let admin = server.pooled.connect().await?;
                     // FORCE: a session the demo left behind (an error
                     // path) must not keep the database alive.
                     admin
@@ -214,32 +198,24 @@ impl Place {
     }
 }
 
-/// `url` (DATABASE_URL) with its database replaced by `name`: a later
-/// `dbname` wins, in a URL's parameters as in `key=value` form.
-fn with_database(url: &str, name: &str) -> String {
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let joint = if url.contains('?') { '&' } else { '?' };
-        format!("{url}{joint}dbname={name}")
-    } else {
-        format!("{url} dbname={name}")
-    }
-}
-
-/// The demo itself, on the database at `url`: sample issues, one pipeline
-/// run with its transitions printed as they commit, the outcome and the
-/// briefing.
-async fn show(url: &str, style: TailStyle, shutdown: &CancellationToken) -> Result<(), DemoError> {
+/// The demo itself, on `database`: sample issues, one pipeline run with its
+/// transitions printed as they commit, the outcome and the briefing.
+async fn show(
+    database: &db::Database,
+    style: TailStyle,
+    shutdown: &CancellationToken,
+) -> Result<(), DemoError> {
     let out = &mut std::io::stdout();
     // Load the samples first, so the writer knows which ids to trip up.
-    let config = db::pg_config(url, "newsnack-demo")?;
-    let mut setup = db::connect(&config).await?;
+    let database = database.with_application_name("newsnack-demo");
+    let mut setup = database.pooled.connect().await?;
     db::migrate::migrate(&mut setup).await?;
     drop(setup);
     let samples: Vec<NewIssueJson> =
         serde_json::from_str(SAMPLE_ISSUES).expect("the shipped samples parse");
     let samples: Vec<NewIssue> = samples.into_iter().map(NewIssue::from).collect();
     let ids = {
-        let pool = db::pool(config.clone(), &db::PoolOptions::default())?;
+        let pool = db::pool(&database.pooled, &db::PoolOptions::default())?;
         let client = pool.get().await.map_err(DbError::from)?;
         let ids = db::issue::insert_issues(&client, &samples).await?;
         for (key, value) in [("retry_backoff_ms", "300"), ("content_gen_timeout_s", "60")] {
@@ -260,7 +236,7 @@ async fn show(url: &str, style: TailStyle, shutdown: &CancellationToken) -> Resu
         fail_once: Mutex::new([ids[1], ids[3]].into_iter().collect()),
     });
     let core = Core::start(
-        url,
+        &database,
         "demo",
         8,
         writer,
@@ -356,27 +332,4 @@ async fn narrate(
 fn say(out: &mut impl Write, line: &str) {
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Only the database changes: the server, role and options stay.
-    #[test]
-    fn the_throwaway_database_replaces_the_one_database_url_names() {
-        for url in [
-            "postgres://me:pw@db:5433/prod",
-            "postgresql://me@db:5433/prod?sslmode=disable&dbname=prod",
-            "host=db port=5433 user=me dbname=prod",
-        ] {
-            let config = db::pg_config(&with_database(url, "newsnack_demo_1"), "t").unwrap();
-            assert_eq!(config.get_dbname(), Some("newsnack_demo_1"), "{url}");
-            assert_eq!(
-                (config.get_user(), config.get_ports()),
-                (Some("me"), &[5433][..]),
-                "{url}"
-            );
-        }
-    }
 }

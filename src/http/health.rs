@@ -20,8 +20,9 @@ pub async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }
 
-/// Readiness: the database answers, the listener is connected, and the
-/// log has not gone back behind what this instance published.
+/// Readiness: the database answers, the listener is connected and
+/// receives notifications, and the log has not gone back behind what this
+/// instance published. Also says how the database sessions are protected.
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses((status = 200, description = "ready"), (status = 503, description = "not ready")))]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_json::Value>) {
@@ -29,10 +30,14 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_js
         Ok(client) => client.simple_query("SELECT 1").await.is_ok(),
         Err(_) => false,
     };
-    let (listener, log_ends_before) = {
+    let (listener, log_ends_before, problem) = {
         let status = state.hub.status();
         let status = status.borrow();
-        (status.connected, status.log_ends_before)
+        (
+            status.connected,
+            status.log_ends_before,
+            status.problem.clone(),
+        )
     };
     let ready = database && listener && log_ends_before.is_none();
     let status = if ready {
@@ -40,11 +45,20 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<serde_js
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let mut body = serde_json::json!({ "database": database, "listener": listener });
+    let mut body = serde_json::json!({
+        "database": database,
+        "listener": listener,
+        "sessions": {
+            "pooled": state.pool.endpoint().security(),
+            "direct": state.hub.direct().security(),
+        },
+    });
     if let Some(end) = log_ends_before {
         body["error"] = serde_json::json!(format!(
             "the transition log now ends at seq {end}, before what this instance published (a restored or truncated log): restart it"
         ));
+    } else if let (false, Some(problem)) = (listener, problem) {
+        body["error"] = serde_json::json!(format!("listener: {problem}"));
     } else if !ready {
         body["error"] = serde_json::json!("not ready");
     }

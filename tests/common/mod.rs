@@ -104,8 +104,8 @@ async fn template() -> &'static str {
                 admin.batch_execute(&statement).await.expect("create the template database");
             }
             let url = server().url_template.replace("{db}", &name);
-            let config = db::pg_config(&url, "newsnack-test").unwrap();
-            let mut client = db::connect(&config).await.unwrap();
+            let endpoint = db::Endpoint::parse(&url, "newsnack-test").unwrap();
+            let mut client = endpoint.connect().await.unwrap();
             db::migrate::migrate(&mut client).await.expect("migrate the template");
             drop(client);
             // Let the migrating session end before the template is copied.
@@ -125,6 +125,9 @@ async fn template() -> &'static str {
 pub struct TestDb {
     pub name: String,
     pub url: String,
+    /// How the service reaches this database.
+    pub endpoint: db::Endpoint,
+    /// Its connection parameters, for tests that need the host or port.
     pub config: tokio_postgres::Config,
     pub pool: DbPool,
 }
@@ -160,9 +163,9 @@ impl TestDb {
                 .expect("create test database");
         }
         let url = server().url_template.replace("{db}", &name);
-        let config = db::pg_config(&url, "newsnack-test").unwrap();
+        let endpoint = db::Endpoint::parse(&url, "newsnack-test").unwrap();
         let pool = db::pool(
-            config.clone(),
+            &endpoint,
             &PoolOptions {
                 max_size,
                 wait_timeout: Duration::from_secs(30),
@@ -172,7 +175,8 @@ impl TestDb {
         TestDb {
             name,
             url,
-            config,
+            config: endpoint.config().clone(),
+            endpoint,
             pool,
         }
     }
@@ -181,13 +185,21 @@ impl TestDb {
     /// `wait_timeout` for it: to hold it busy and see who waits.
     pub fn pool_of_one(&self, wait_timeout: Duration) -> newsnack::db::DbPool {
         newsnack::db::pool(
-            self.config.clone(),
+            &self.endpoint,
             &newsnack::db::PoolOptions {
                 max_size: 1,
                 wait_timeout,
             },
         )
         .unwrap()
+    }
+
+    /// Both endpoints of the service: this database, reached directly.
+    pub fn database(&self) -> db::Database {
+        db::Database {
+            pooled: self.endpoint.clone(),
+            direct: self.endpoint.clone(),
+        }
     }
 
     /// A plain connection of its own, outside the pool: "another system".
@@ -210,7 +222,7 @@ impl TestDb {
     ) -> (TransitionHub, CancellationToken) {
         let token = CancellationToken::new();
         let (hub, _task) = Listener::start(
-            self.config.clone(),
+            self.endpoint.clone(),
             self.pool.clone(),
             options,
             token.clone(),
@@ -254,6 +266,7 @@ impl TestDb {
         ServeOptions {
             listen: "127.0.0.1:0".parse().unwrap(),
             database_url: Some(self.url.clone()),
+            direct_database_url: None,
             instance: instance.into(),
             pool_size: 16,
             grace: Duration::from_secs(5),

@@ -1,0 +1,191 @@
+//! Anyone who can connect can `NOTIFY` any channel. A notification on
+//! `issue_transition` is a doorbell: the listener reads the log, and only
+//! what the log holds reaches subscribers. Forged notifications naming the
+//! next `seq`, one far ahead, one behind and an unreadable one reach no
+//! subscriber (the hub, the gapless stream, `GET /events`, `newsnack tail`,
+//! a smart wait), and the real transition that later takes the forged `seq`
+//! is published like any other. The same forgery fools a listener that
+//! trusts payloads, which shows the test can fail.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::subscribers::Recording;
+use common::{until_published, within, TestDb};
+use newsnack::listener::ListenerOptions;
+use newsnack::status::Status;
+use newsnack::writer::OfflineWriter;
+use serde_json::json;
+
+/// A session of a role with no privileges at all: NOTIFY needs none.
+async fn forger(db: &TestDb) -> tokio_postgres::Client {
+    let sql = db.raw().await;
+    sql.batch_execute(
+        "DO $$ BEGIN
+             IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'forger') THEN
+                 CREATE ROLE forger LOGIN;
+             END IF;
+         END $$",
+    )
+    .await
+    .unwrap();
+    let mut config = db.config.clone();
+    config.user("forger");
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// Sends the forgeries: `victim` `IN_PROGRESS -> DONE` under the next
+/// `seq`, the same far ahead and behind, and a payload that is not JSON.
+async fn forge(forger: &tokio_postgres::Client, last_seq: i64, victim: i64) {
+    for seq in [last_seq + 1, last_seq + 1_000_000, (last_seq - 1).max(1)] {
+        let payload = json!({
+            "seq": seq, "issue_id": victim, "from": "IN_PROGRESS", "to": "DONE",
+            "at": "2026-12-01T00:00:00Z", "attempts": 1, "fatal": false,
+        });
+        forger
+            .execute(
+                "SELECT pg_notify('issue_transition', $1)",
+                &[&payload.to_string()],
+            )
+            .await
+            .unwrap();
+    }
+    forger
+        .execute("SELECT pg_notify('issue_transition', 'not json')", &[])
+        .await
+        .unwrap();
+}
+
+/// Forges, then makes two real transitions; returns the log position
+/// before, the issues, and the first two transitions a subscriber of a
+/// listener started with `options` saw.
+async fn what_a_subscriber_sees(
+    options: ListenerOptions,
+) -> (i64, Vec<i64>, Vec<(i64, i64, Status)>) {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(2).await;
+    db.move_with_sql(&[ids[0]], &["IN_PROGRESS"]).await;
+    let (hub, stop) = db.listener_with(options).await;
+    let start = hub.status().borrow().last_seq;
+    let mut live = hub.subscribe();
+    forge(&forger(&db).await, start, ids[0]).await;
+    // Notifications are delivered in commit order: these come after the
+    // forgeries.
+    db.move_with_sql(&[ids[1]], &["IN_PROGRESS", "DONE"]).await;
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let t = within(20, "two transitions", live.recv()).await.unwrap();
+        seen.push((t.seq, t.issue_id, t.to));
+    }
+    stop.cancel();
+    (start, ids, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_notifications_reach_no_subscriber_and_hide_no_real_transition() {
+    let (start, ids, seen) = what_a_subscriber_sees(ListenerOptions::default()).await;
+    assert_eq!(
+        seen,
+        vec![
+            (start + 1, ids[1], Status::InProgress),
+            (start + 2, ids[1], Status::Done)
+        ],
+        "exactly the log"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_that_trusts_payloads_is_fooled_by_the_same_forgery() {
+    let (start, ids, seen) = what_a_subscriber_sees(ListenerOptions {
+        trust_payloads: true,
+        ..ListenerOptions::default()
+    })
+    .await;
+    assert_eq!(
+        seen,
+        vec![
+            (start + 1, ids[0], Status::Done),
+            (start + 2, ids[1], Status::Done)
+        ],
+        "the forgery is published under the next seq, and the real transition that takes it is lost"
+    );
+}
+
+/// The service end to end: the event stream, the tail and a smart wait
+/// see only the log. The wait's target gets a forged `DONE` first and then
+/// really fails for good: a wait settled by the forgery would answer
+/// `all_pass`, the real answer is `skip`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_the_tail_and_a_wait_see_only_the_log() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(2).await;
+    db.move_with_sql(&[ids[0]], &["IN_PROGRESS"]).await;
+    let service = db.serve("doorbell", Arc::new(OfflineWriter)).await;
+    let start = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
+    until_published(&service.hub, start).await;
+    let base = format!("http://{}", service.addr);
+    let subscribers = service.hub.subscriber_count();
+    let sse = Recording::follow_sse("sse", vec![base.clone()], start);
+    let tail = Recording::follow_tail("tail", &db.url, start);
+    let http = reqwest::Client::new();
+    let wait = {
+        let (http, base, target) = (http.clone(), base.clone(), ids[0]);
+        tokio::spawn(async move {
+            http.post(format!("{base}/waits"))
+                .json(&json!({"issue_ids": [target], "timeout_s": 120, "min_completion": 1}))
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        })
+    };
+    // The forgeries must come after the stream and the wait subscribed
+    // (both subscribe to the hub), and after the tail's listener started
+    // (its pool session and its listening session are up).
+    let tail_sessions = format!(
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE datname = '{}' AND application_name = 'newsnack-cli'",
+        db.name
+    );
+    within(30, "the stream, the wait and the tail to follow", async {
+        while service.hub.subscriber_count() < subscribers + 2
+            || db.scalar_i64(&tail_sessions).await < 2
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    forge(&forger(&db).await, start, ids[0]).await;
+    db.move_with_sql(&[ids[1]], &["IN_PROGRESS"]).await;
+    db.raw()
+        .await
+        .execute(
+            "UPDATE issue SET processing_status = 'FAILED', last_error = 'off-topic',
+                    retry_not_before = 'infinity' WHERE id = $1",
+            &[&ids[0]],
+        )
+        .await
+        .unwrap();
+    let answer = within(30, "the wait's answer", wait).await.unwrap();
+    assert_eq!(answer["outcome"], "skip", "{answer}");
+    assert_eq!(answer["failed"], json!([ids[0]]), "{answer}");
+    for recording in [&sse, &tail] {
+        assert!(
+            recording.reaches(start + 2, 30).await,
+            "{} follows the log",
+            recording.name
+        );
+        assert_eq!(
+            recording.seen(),
+            vec![start + 1, start + 2],
+            "{} saw exactly the log",
+            recording.name
+        );
+    }
+    service.stop().await.unwrap();
+}
