@@ -11,6 +11,7 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::issue::{ClaimScope, NewIssue};
+use crate::db::role::{self, RoleKind};
 use crate::db::{self, DbError, DbPool, PoolOptions};
 use crate::embedded::EmbeddedError;
 use crate::input::{self, InvalidInput};
@@ -99,6 +100,40 @@ pub enum Command {
     RunPipeline,
     /// List the advisory locks held in the database and who holds them.
     Locks,
+    /// Give another system's role least privilege: writer or reader.
+    ///
+    /// Takes away whatever else the role held on newsnack's tables,
+    /// sequences and schema first, so it also turns a writer into a reader;
+    /// refuses (changing nothing) a role privileges cannot restrict. Run as
+    /// the owner of newsnack's tables; prints what the role may now do as
+    /// JSON. The SQL it runs is in docs/sql.md ("Roles").
+    Grant {
+        /// What the role may do.
+        #[arg(value_enum)]
+        kind: GrantKind,
+        /// An existing role (CREATE ROLE ... LOGIN), not a superuser nor
+        /// the owner.
+        role: String,
+    },
+}
+
+/// The kinds of role `grant` makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GrantKind {
+    /// Read every table; add issues; change an issue's processing_status,
+    /// title, body, score and collected_at.
+    Writer,
+    /// Read every table; nothing else.
+    Reader,
+}
+
+impl From<GrantKind> for RoleKind {
+    fn from(kind: GrantKind) -> Self {
+        match kind {
+            GrantKind::Writer => RoleKind::Writer,
+            GrantKind::Reader => RoleKind::Reader,
+        }
+    }
 }
 
 /// Exit code of `wait` and `run-pipeline` when the outcome is skip.
@@ -202,6 +237,8 @@ pub enum CliError {
     Serve(#[from] crate::serve::ServeError),
     #[error(transparent)]
     Writer(#[from] crate::writer::WriterConfigError),
+    #[error(transparent)]
+    Grant(#[from] role::GrantError),
     #[error("{0}")]
     Failed(String),
 }
@@ -237,6 +274,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::RunPipeline => run_pipeline(&database("newsnack-cli")?).await,
         Command::Locks => locks(&database("newsnack-cli")?).await,
+        Command::Grant { kind, role } => {
+            grant(&database("newsnack-grant")?, kind.into(), &role).await
+        }
     }
 }
 
@@ -672,5 +712,31 @@ async fn locks(database: &db::Database) -> Result<ExitCode, CliError> {
             lock.client.unwrap_or_else(|| "local".into()),
         );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn grant(database: &db::Database, kind: RoleKind, name: &str) -> Result<ExitCode, CliError> {
+    // One transaction, like a migration: a transaction pooler may carry it.
+    let mut client = database.pooled.connect().await?;
+    let report = role::grant(&mut client, kind, name).await?;
+    for warning in &report.warnings {
+        eprintln!("newsnack: warning: {warning}");
+    }
+    let (insert, update): (&[&str], &[&str]) = match kind {
+        RoleKind::Writer => (role::WRITER_INSERT_COLUMNS, role::WRITER_UPDATE_COLUMNS),
+        RoleKind::Reader => (&[], &[]),
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "role": report.role,
+            "kind": kind.as_str(),
+            "schema": report.schema,
+            "select": report.tables,
+            "insert_issue": insert,
+            "update_issue": update,
+            "sql": report.statements,
+        })
+    );
     Ok(ExitCode::SUCCESS)
 }

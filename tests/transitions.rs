@@ -607,3 +607,92 @@ async fn claim_bumps_attempts_and_issues_a_new_fencing_token_for_any_writer() {
         .get(0);
     assert_eq!(reason.as_deref(), Some("boom"));
 }
+
+/// A claim's lease counts from the claim's commit, not from its
+/// transaction's start (migration 15): a raw-SQL claim whose transaction
+/// stays open longer than the lease is not expired when it commits, and
+/// its lease ends `lease_s` after the commit. A claim that commits
+/// promptly is written once, as before.
+#[tokio::test]
+async fn a_lease_counts_from_the_claims_commit() {
+    let db = TestDb::new().await;
+    db.set("lease_s", "2").await;
+    let ids = db.add_issues(3).await;
+    let (slow, finished, prompt) = (ids[0], ids[1], ids[2]);
+    let mut sql = db.raw().await;
+
+    let tx = sql.transaction().await.unwrap();
+    let claimed_version: String = tx
+        .query_one(
+            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = $1 RETURNING ctid::text",
+            &[&slow],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Claimed and finished in the same transaction: no lease to move.
+    for status in ["IN_PROGRESS", "DONE"] {
+        tx.execute(
+            "UPDATE issue SET processing_status = $2 WHERE id = $1",
+            &[&finished, &status],
+        )
+        .await
+        .unwrap();
+    }
+    // The client is slow: its transaction stays open past the lease.
+    tx.execute("SELECT pg_sleep(2.5)", &[]).await.unwrap();
+    tx.commit().await.unwrap();
+    let reaped = newsnack::db::issue::reap_expired(&sql, 100).await.unwrap();
+    assert_eq!(reaped, Vec::<i64>::new(), "a claim just committed is live");
+    let row = sql
+        .query_one(
+            "SELECT extract(epoch FROM i.lease_until - t.at)::float8, i.ctid::text
+               FROM issue i JOIN issue_transition t ON t.issue_id = i.id AND t.to_status = 'IN_PROGRESS'
+              WHERE i.id = $1",
+            &[&slow],
+        )
+        .await
+        .unwrap();
+    let (after_commit, version): (f64, String) = (row.get(0), row.get(1));
+    // The log's `at` is the commit-time trigger's clock, taken just after
+    // the lease was moved.
+    assert!(
+        (1.9..=2.0).contains(&after_commit),
+        "the lease ends lease_s after the commit: {after_commit}"
+    );
+    assert_ne!(version, claimed_version, "the lease was moved at commit");
+    let row = sql
+        .query_one(
+            "SELECT processing_status, lease_until IS NULL FROM issue WHERE id = $1",
+            &[&finished],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, bool>(1)),
+        ("DONE".to_string(), true)
+    );
+
+    let tx = sql.transaction().await.unwrap();
+    let claimed = tx
+        .query_one(
+            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = $1
+             RETURNING ctid::text, lease_until::text",
+            &[&prompt],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let stored = sql
+        .query_one(
+            "SELECT ctid::text, lease_until::text FROM issue WHERE id = $1",
+            &[&prompt],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (stored.get::<_, String>(0), stored.get::<_, String>(1)),
+        (claimed.get::<_, String>(0), claimed.get::<_, String>(1)),
+        "a prompt claim is one row version with the lease it was given"
+    );
+}

@@ -1,6 +1,7 @@
 //! The schema migrations in `sql/`, embedded in the binary and applied in
 //! order, once, under an advisory lock so that instances starting together
-//! do not race.
+//! do not race. Migrations that name their schema write `@extschema@`,
+//! which becomes the schema they run in.
 
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
@@ -86,7 +87,21 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "setting truncate notice",
         sql: include_str!("../../sql/0014_setting_truncate_notice.sql"),
     },
+    Migration {
+        version: 15,
+        name: "owner-run rules",
+        sql: include_str!("../../sql/0015_owner_run_rules.sql"),
+    },
 ];
+
+/// What a migration writes for the schema it runs in.
+pub const SCHEMA_PLACEHOLDER: &str = "@extschema@";
+
+/// A migration's SQL for the schema `quoted_schema` (already quoted as an
+/// identifier, e.g. by `quote_ident`).
+pub fn for_schema(sql: &str, quoted_schema: &str) -> String {
+    sql.replace(SCHEMA_PLACEHOLDER, quoted_schema)
+}
 
 /// What a migration run did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,12 +113,37 @@ pub struct MigrationReport {
 /// Applies every pending migration in one transaction. Concurrent callers
 /// wait on the lock and then find nothing left to do.
 pub async fn migrate(client: &mut Client) -> Result<MigrationReport, DbError> {
+    migrate_up_to(client, None).await
+}
+
+/// [`migrate`], stopping after version `last` when given (to show how a
+/// database behaves before a migration, or to upgrade step by step).
+pub async fn migrate_up_to(
+    client: &mut Client,
+    last: Option<i32>,
+) -> Result<MigrationReport, DbError> {
     let tx = client.transaction().await?;
     tx.execute_typed(
         "SELECT pg_advisory_xact_lock($1)",
         &[(&advisory::MIGRATIONS, Type::INT8)],
     )
     .await?;
+    // The schema every unqualified name below lands in, quoted for the
+    // migrations that name it.
+    let row = tx
+        .query_typed_one(
+            "SELECT current_schema(), quote_ident(current_schema())",
+            &[],
+        )
+        .await?;
+    let (schema, quoted_schema): (Option<String>, Option<String>) = (row.get(0), row.get(1));
+    let (Some(schema), Some(quoted_schema)) = (schema, quoted_schema) else {
+        return Err(DbError::Invalid(
+            "no schema to migrate into: current_schema() is NULL (no schema on the \
+             search_path exists); create one or set search_path"
+                .into(),
+        ));
+    };
     tx.batch_execute(
         "CREATE TABLE IF NOT EXISTS newsnack_migration (
              version    integer PRIMARY KEY,
@@ -129,9 +169,21 @@ pub async fn migrate(client: &mut Client) -> Result<MigrationReport, DbError> {
             )));
         }
     }
+    let pending: Vec<&Migration> = MIGRATIONS
+        .iter()
+        .filter(|m| !done.contains(&m.version) && last.is_none_or(|last| m.version <= last))
+        .collect();
+    // The name goes inside string literals and dollar-quoted function
+    // bodies, where a quote or a dollar sign would end them early.
+    if schema.contains(['\'', '$']) && pending.iter().any(|m| m.sql.contains(SCHEMA_PLACEHOLDER)) {
+        return Err(DbError::Invalid(format!(
+            "cannot migrate into schema {schema:?}: newsnack needs a schema name without ' or $"
+        )));
+    }
     let mut applied = Vec::new();
-    for migration in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
-        tx.batch_execute(migration.sql).await?;
+    for migration in pending {
+        tx.batch_execute(&for_schema(migration.sql, &quoted_schema))
+            .await?;
         tx.execute_typed(
             "INSERT INTO newsnack_migration (version, name) VALUES ($1, $2)",
             &[
@@ -145,6 +197,22 @@ pub async fn migrate(client: &mut Client) -> Result<MigrationReport, DbError> {
     tx.commit().await?;
     Ok(MigrationReport {
         applied,
-        current: known,
+        current: last.map_or(known, |last| last.min(known)),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_placeholder_becomes_the_quoted_schema_everywhere() {
+        let sql = "CREATE FUNCTION @extschema@.f() SET search_path = @extschema@, pg_temp \
+                   AS $$ SELECT nextval('@extschema@.s') $$";
+        assert_eq!(
+            for_schema(sql, "\"My App\""),
+            "CREATE FUNCTION \"My App\".f() SET search_path = \"My App\", pg_temp \
+             AS $$ SELECT nextval('\"My App\".s') $$"
+        );
+    }
 }

@@ -8,6 +8,7 @@ pub mod endpoint;
 pub mod issue;
 pub mod migrate;
 pub mod pipeline_run;
+pub mod role;
 pub mod setting;
 pub mod tls;
 pub mod transition;
