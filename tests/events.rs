@@ -269,16 +269,6 @@ fn events_socket_buffers_hold() -> i64 {
     absorbed_bytes / 140
 }
 
-/// This process's resident memory, in KiB.
-fn rss_kib() -> i64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/self/status")
-}
-
 #[tokio::test]
 async fn events_carry_seq_as_id_and_the_transition_as_json_filter_replay_and_reject_bad_input() {
     let _shared = EXCLUSIVE.read().await;
@@ -585,7 +575,7 @@ async fn reconnecting_with_last_event_id_during_a_burst_loses_and_repeats_nothin
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_hundred_clients_all_receive_every_transition_for_little_memory() {
+async fn two_hundred_clients_all_receive_every_transition() {
     let _alone = EXCLUSIVE.write().await;
     const CLIENTS: usize = 200;
     const TRANSACTIONS: i32 = 100;
@@ -604,7 +594,6 @@ async fn two_hundred_clients_all_receive_every_transition_for_little_memory() {
     }
     let after = *all_seqs(&db).await.last().unwrap();
     let baseline = service.hub.subscriber_count();
-    let rss_before = rss_kib();
 
     let clients = within(
         60,
@@ -616,7 +605,6 @@ async fn two_hundred_clients_all_receive_every_transition_for_little_memory() {
         service.hub.subscriber_count() >= baseline + CLIENTS,
         "one hub receiver per client"
     );
-    let rss_open = rss_kib();
     // The metrics count them too.
     let metrics = http
         .get(format!("http://{}/metrics", service.addr))
@@ -675,26 +663,9 @@ async fn two_hundred_clients_all_receive_every_transition_for_little_memory() {
         assert_eq!(seen, expected, "client {i}");
         open.push(client);
     }
-    // Measured with all 200 streams still open.
-    let rss_after = rss_kib();
+    // What they cost in memory is measured by `cargo bench --bench sse`,
+    // in a process of its own: here the clients share the process.
     drop(open);
-    eprintln!(
-        "200 SSE clients: VmRSS {rss_before} KiB before, {rss_open} KiB with 200 open \
-         (+{} KiB), {rss_after} KiB after 1,000 transitions to each (+{} KiB); \
-         the clients (bare TCP, 4 KiB buffers) share this process",
-        rss_open - rss_before,
-        rss_after - rss_before
-    );
-    assert!(
-        rss_open - rss_before < 20 * 1024,
-        "opening 200 streams grew the process by {} KiB",
-        rss_open - rss_before
-    );
-    assert!(
-        rss_after - rss_before < 20 * 1024,
-        "200 streams after traffic grew the process by {} KiB",
-        rss_after - rss_before
-    );
     service.stop().await.unwrap();
 }
 
