@@ -313,6 +313,33 @@ async fn postgres_restarted_mid_run_with_waits_open_and_sse_clients_connected() 
         .get::<_, i64>(0);
     assert!(in_flight > 0, "the restart must hit a run in progress");
     let before = hub.status().borrow().reconnects;
+    // Requests keep coming through the restart: each is answered 201/200,
+    // or 503 with Retry-After while the database is away, never 500.
+    let probing = tokio_util::sync::CancellationToken::new();
+    let prober = {
+        let (http, base, stop) = (http.clone(), base.clone(), probing.clone());
+        tokio::spawn(async move {
+            // (write answered, readyz answered, the write's Retry-After)
+            let mut answers: Vec<(u16, u16, bool)> = Vec::new();
+            while !stop.is_cancelled() {
+                let write = http
+                    .post(format!("{base}/issues"))
+                    .json(&json!({"issues": [{"title": "during the restart", "score": -1}]}))
+                    .send()
+                    .await
+                    .unwrap();
+                let retry_after = write.headers().contains_key("retry-after");
+                let ready = http.get(format!("{base}/readyz")).send().await.unwrap();
+                answers.push((
+                    write.status().as_u16(),
+                    ready.status().as_u16(),
+                    retry_after,
+                ));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            answers
+        })
+    };
     cluster = tokio::task::spawn_blocking(move || {
         cluster.restart().expect("pg_ctl restart -m fast");
         cluster
@@ -330,6 +357,33 @@ async fn postgres_restarted_mid_run_with_waits_open_and_sse_clients_connected() 
         |s| s.connected && s.reconnects > 0,
     )
     .await;
+
+    probing.cancel();
+    let answers = prober.await.unwrap();
+    let unavailable = answers.iter().filter(|(write, ..)| *write == 503).count();
+    assert!(
+        answers.iter().all(|&(write, ready, retry_after)| {
+            (write == 201 || (write == 503 && retry_after)) && matches!(ready, 200 | 503)
+        }),
+        "writes answered 201, or 503 with Retry-After; readiness 200 or 503: {answers:?}"
+    );
+    assert!(
+        answers.iter().any(|&(_, ready, _)| ready == 503),
+        "readiness said the database was away: {answers:?}"
+    );
+    assert!(unavailable > 0, "the restart was seen: {answers:?}");
+    eprintln!(
+        "during the restart: {} requests, {unavailable} answered 503",
+        answers.len()
+    );
+    // The issues added meanwhile are left alone (negative score, never
+    // claimed): the audit below counts the eighty of the run only.
+    pool.get()
+        .await
+        .unwrap()
+        .execute("DELETE FROM issue WHERE title = 'during the restart'", &[])
+        .await
+        .unwrap();
 
     let mut records = answered(waits).await;
     request_articles(&http, &base, held_back).await;

@@ -1240,6 +1240,7 @@ async fn show_health_and_readiness_answer_in_shape() {
         ready,
         json!({
             "database": true,
+            "writable": true,
             "listener": true,
             "sessions": { "pooled": plain, "direct": plain },
         })

@@ -93,7 +93,7 @@ pub enum DbError {
     #[error("{}", describe_pool(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("database error: {}", describe(.0))]
-    Postgres(#[from] tokio_postgres::Error),
+    Postgres(tokio_postgres::Error),
     #[error("{0}")]
     Invalid(String),
     /// A write skipped a row another transaction held rather than wait.
@@ -203,6 +203,61 @@ impl DbError {
     }
 }
 
+impl From<tokio_postgres::Error> for DbError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        if e.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION) {
+            read_only_met();
+        }
+        DbError::Postgres(e)
+    }
+}
+
+/// When a session last met a read-only transaction (SQLSTATE 25006), as
+/// nanoseconds after [`process_start`]; 0 if never.
+static READ_ONLY_MET: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn process_start() -> std::time::Instant {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(std::time::Instant::now)
+}
+
+/// A session of this process met a read-only transaction: after a managed
+/// failover, the sessions opened before it sit on the demoted primary,
+/// while new ones reach the new primary. Every pooled session opened
+/// before now is dropped when it comes back to its pool, never handed out
+/// again. (One session's error stands for all: which session met it is not
+/// known where errors are made, and a failover moves them all.)
+pub fn read_only_met() {
+    let since_start = process_start().elapsed().as_nanos().max(1) as u64;
+    READ_ONLY_MET.fetch_max(since_start, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a session opened at `opened` was opened before the last
+/// read-only transaction was met.
+fn opened_before_read_only(opened: std::time::Instant) -> bool {
+    let met = READ_ONLY_MET.load(std::sync::atomic::Ordering::Relaxed);
+    met != 0 && opened < process_start() + Duration::from_nanos(met)
+}
+
+/// Whether `client`'s session can write: not a standby, not a read-only
+/// transaction. A session that cannot is reported like one that met a
+/// read-only transaction ([`read_only_met`]).
+pub async fn accepts_writes(client: &impl Sql) -> Result<bool, DbError> {
+    use tokio_postgres::GenericClient as _;
+    let row = client
+        .sql()
+        .query_typed_one(
+            "SELECT NOT (pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on')",
+            &[],
+        )
+        .await?;
+    let writable: bool = row.get(0);
+    if !writable {
+        read_only_met();
+    }
+    Ok(writable)
+}
+
 /// Parses a `processing_status` value read from the database; one outside
 /// the state machine is an error, not a panic.
 pub(crate) fn parse_status(text: &str) -> Result<crate::status::Status, DbError> {
@@ -310,7 +365,10 @@ impl Default for PoolOptions {
 
 /// Builds a pool of sessions from `endpoint`, opened lazily, on first use.
 /// Nothing is set on a session at start-up and nothing assumed of it
-/// between transactions, so the endpoint may be a transaction pooler.
+/// between transactions, so the endpoint may be a transaction pooler. A
+/// session that was lost is dropped when it comes back, and so is every
+/// session opened before a read-only transaction was met (see
+/// [`read_only_met`]).
 pub fn pool(endpoint: &Endpoint, options: &PoolOptions) -> Result<DbPool, DbError> {
     let manager = Manager::from_connect(
         endpoint.config().clone(),
@@ -321,6 +379,14 @@ pub fn pool(endpoint: &Endpoint, options: &PoolOptions) -> Result<DbPool, DbErro
     );
     let pool = Pool::builder(manager)
         .max_size(options.max_size)
+        .pre_recycle(deadpool_postgres::Hook::sync_fn(|_, metrics| {
+            if opened_before_read_only(metrics.created) {
+                return Err(deadpool_postgres::HookError::Message(
+                    "opened before the database was found read-only".into(),
+                ));
+            }
+            Ok(())
+        }))
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(options.wait_timeout))
         .create_timeout(Some(Duration::from_secs(5)))

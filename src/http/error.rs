@@ -2,8 +2,8 @@
 //! and a `{"error": "..."}` body. Internal details are logged, never sent
 //! (a stored value the service cannot read is named, so it can be mended).
 //! A 503 (no database connection within the pool's wait timeout, the
-//! database down, or shutdown) also says `Retry-After: 1`: the condition is
-//! usually over in moments, and the request changed nothing.
+//! database down or read-only, or shutdown) also says `Retry-After: 1`: the
+//! condition is usually over in moments, and the request changed nothing.
 
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};
@@ -34,6 +34,9 @@ pub enum ApiError {
     /// 503 with `Retry-After`: the database is out of reach or out of
     /// connections.
     Unavailable(String),
+    /// 503 with `Retry-After`: the database takes no writes (a failover in
+    /// progress, or a primary demoted to a standby).
+    ReadOnly(String),
     /// 503 with `Retry-After`: the server is shutting down (another
     /// instance, or this one restarted, can take the request).
     ShuttingDown,
@@ -84,6 +87,13 @@ impl IntoResponse for ApiError {
                     RETRY_AFTER_S,
                 );
             }
+            ApiError::ReadOnly(message) => {
+                tracing::warn!(%message, "answering 503: the database is read-only");
+                return try_again(
+                    "the database accepts no writes right now (read-only: a failover in progress?); try again",
+                    RETRY_AFTER_S,
+                );
+            }
             ApiError::ShuttingDown => {
                 return try_again("the server is shutting down; try again", RETRY_AFTER_S)
             }
@@ -128,6 +138,9 @@ impl From<DbError> for ApiError {
         use tokio_postgres::error::SqlState;
         match &e {
             DbError::Pool(_) | DbError::TimedOut(_) => ApiError::Unavailable(e.to_string()),
+            _ if e.is_read_only() => ApiError::ReadOnly(e.to_string()),
+            // A lost connection, a server shutting down or starting up.
+            _ if e.ends_session() => ApiError::Unavailable(e.to_string()),
             DbError::Unreadable(message) => ApiError::Unreadable(message.clone()),
             _ if e.code() == Some(&SqlState::CHECK_VIOLATION) => {
                 ApiError::unprocessable(e.server_message().unwrap_or("rejected by a database rule"))
