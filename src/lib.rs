@@ -15,6 +15,7 @@
 //! | [`embedded`] | the throwaway PostgreSQL for the zero-config default |
 //! | [`group_commit`] | batching concurrent writes into shared transactions |
 //! | [`listener`] | the one LISTEN connection and the subscriber hub |
+//! | [`llm_budget`] | the LLM budget all instances share, from one process's side |
 //! | [`stream`] | gapless, resumable transition streams over the log |
 //! | [`machine`] | the typed `statig` lifecycle of an issue |
 //! | [`status`], [`transition`] | the domain types the log speaks in |
@@ -36,6 +37,7 @@ pub mod group_commit;
 pub mod http;
 pub mod input;
 pub mod listener;
+pub mod llm_budget;
 pub mod machine;
 pub mod metrics;
 pub mod pipeline;

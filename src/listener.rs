@@ -44,6 +44,9 @@ pub const TRANSITION_CHANNEL: &str = "issue_transition";
 pub const SETTINGS_CHANNEL: &str = "setting_changed";
 /// Notified when issues are deleted or truncated (migration 12).
 pub const REMOVAL_CHANNEL: &str = "issue_removed";
+/// Rung for the holders of LLM calls the shared budget granted (payload:
+/// the holder), and for a pause (payload `*`); see migration 16.
+pub const BUDGET_CHANNEL: &str = "llm_budget";
 /// The channel a new listening session proves delivery on.
 pub const PROBE_CHANNEL: &str = "newsnack_listener_probe";
 
@@ -131,6 +134,7 @@ struct HubInner {
     status: watch::Receiver<ListenerStatus>,
     settings_changed: watch::Receiver<u64>,
     issues_removed: watch::Receiver<i64>,
+    budget_doorbells: broadcast::Sender<String>,
     pool: DbPool,
     /// The listener's endpoint, to say how its session is protected.
     direct: db::Endpoint,
@@ -227,6 +231,15 @@ impl TransitionHub {
         self.inner.issues_removed.clone()
     }
 
+    /// The payloads of `llm_budget` notifications (a holder's name, or `*`)
+    /// from now on. Doorbells only: anyone may send one, so a receiver
+    /// reads the budget's tables to learn what changed. One missed while
+    /// the listener was away is covered by [`TransitionHub::settings_changed`],
+    /// bumped after every reconnect.
+    pub fn budget_doorbells(&self) -> broadcast::Receiver<String> {
+        self.inner.budget_doorbells.subscribe()
+    }
+
     /// The number of live subscribers.
     pub fn subscriber_count(&self) -> usize {
         self.inner.events.receiver_count()
@@ -290,6 +303,7 @@ pub struct Listener {
     status: watch::Sender<ListenerStatus>,
     settings_changed: watch::Sender<u64>,
     issues_removed: watch::Sender<i64>,
+    budget_doorbells: broadcast::Sender<String>,
     last_seq: i64,
     /// Read and in order, not yet sent to subscribers (see
     /// [`Listener::flush`]).
@@ -325,6 +339,7 @@ impl Listener {
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let (settings_tx, settings_rx) = watch::channel(0);
         let (removed_tx, removed_rx) = watch::channel(0);
+        let (budget_doorbells, _) = broadcast::channel(256);
         let published = Arc::new(PublishTimes::default());
         let direct = endpoint.clone();
         let mut listener = Listener {
@@ -336,6 +351,7 @@ impl Listener {
             status: status_tx,
             settings_changed: settings_tx,
             issues_removed: removed_tx,
+            budget_doorbells: budget_doorbells.clone(),
             last_seq: 0,
             unsent: Vec::new(),
         };
@@ -404,6 +420,7 @@ impl Listener {
                 status: status_rx,
                 settings_changed: settings_rx,
                 issues_removed: removed_rx,
+                budget_doorbells,
                 pool,
                 direct,
                 _stop_listener: stop_listener,
@@ -590,6 +607,10 @@ impl Listener {
                     }
                 },
                 SETTINGS_CHANNEL => self.settings_changed.send_modify(|v| *v += 1),
+                BUDGET_CHANNEL => {
+                    // Nobody listening is fine: no calls wait here.
+                    let _ = self.budget_doorbells.send(note.payload().to_string());
+                }
                 REMOVAL_CHANNEL => {
                     // The removal comes after every transition rung before
                     // it: those are read first.
@@ -713,7 +734,7 @@ impl Listener {
         client
             .batch_execute(&format!(
                 "LISTEN {TRANSITION_CHANNEL}; LISTEN {SETTINGS_CHANNEL}; LISTEN {REMOVAL_CHANNEL}; \
-                 LISTEN {PROBE_CHANNEL}"
+                 LISTEN {BUDGET_CHANNEL}; LISTEN {PROBE_CHANNEL}"
             ))
             .await?;
         let backend_pid: i32 = client

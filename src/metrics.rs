@@ -22,6 +22,11 @@
 //! | `newsnack_advisory_lock_held` | gauge | `lock` | advisory locks of that name this process holds (0 or 1) |
 //! | `newsnack_sse_clients` | gauge | | connected `GET /events` clients |
 //! | `newsnack_auth_rejections_total` | counter | | requests refused for a missing or wrong token |
+//! | `newsnack_llm_tokens_total` | counter | `kind` = `prompt`/`completion` | tokens the LLM reported for this process's calls |
+//! | `newsnack_llm_calls_waiting` | gauge | | this process's LLM calls waiting for the shared budget |
+//! | `newsnack_llm_paused` | gauge | | 1 while a rate limit's pause holds every instance's LLM calls, as this process last saw it |
+//! | `newsnack_llm_paused_until_seconds` | gauge | | when the last pause this process saw ends (Unix time) |
+//! | `newsnack_llm_pauses_total` | counter | | pauses of every instance's LLM calls this process saw begin (a call, its own or another instance's, met a 429 or 503 with `Retry-After`) |
 //!
 //! Gauges that count something alive are driven by [`GaugeGuard`]s: the
 //! guard adds one when made and takes it away when dropped, on every exit
@@ -49,6 +54,11 @@ const UNVERIFIED_NOTIFICATIONS: &str = "newsnack_listener_unverified_notificatio
 const ADVISORY_LOCK_HELD: &str = "newsnack_advisory_lock_held";
 const SSE_CLIENTS: &str = "newsnack_sse_clients";
 const AUTH_REJECTIONS: &str = "newsnack_auth_rejections_total";
+const LLM_TOKENS: &str = "newsnack_llm_tokens_total";
+const LLM_CALLS_WAITING: &str = "newsnack_llm_calls_waiting";
+const LLM_PAUSED: &str = "newsnack_llm_paused";
+const LLM_PAUSED_UNTIL: &str = "newsnack_llm_paused_until_seconds";
+const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
 
 /// Histogram buckets (seconds) of a smart wait: up to the longest
 /// sensible `content_gen_timeout_s`.
@@ -139,6 +149,30 @@ fn describe_and_register() {
         AUTH_REJECTIONS,
         "Requests refused for a missing or wrong API token"
     );
+    describe_counter!(LLM_TOKENS, "Tokens the LLM reported, by kind");
+    describe_gauge!(
+        LLM_CALLS_WAITING,
+        "LLM calls of this process waiting for the shared budget"
+    );
+    describe_gauge!(
+        LLM_PAUSED,
+        "1 while a rate limit's pause holds every instance's LLM calls"
+    );
+    describe_gauge!(
+        LLM_PAUSED_UNTIL,
+        "When the last LLM pause seen ends (Unix time, seconds)"
+    );
+    describe_counter!(
+        LLM_PAUSES,
+        "Pauses of every instance's LLM calls this process saw begin"
+    );
+    for kind in ["prompt", "completion"] {
+        counter!(LLM_TOKENS, "kind" => kind).increment(0);
+    }
+    counter!(LLM_PAUSES).increment(0);
+    gauge!(LLM_CALLS_WAITING).increment(0.0);
+    gauge!(LLM_PAUSED).set(0.0);
+    gauge!(LLM_PAUSED_UNTIL).increment(0.0);
     for result in ["claimed", "skipped", "skipped_known_done"] {
         counter!(CLAIMS, "result" => result).increment(0);
     }
@@ -218,6 +252,45 @@ pub fn llm_call_finished(took: Duration, error_kind: Option<&'static str>) {
     if let Some(kind) = error_kind {
         counter!(LLM_ERRORS, "kind" => kind).increment(1);
     }
+}
+
+/// The LLM reported `usage` for a call of this process.
+pub fn llm_tokens(usage: crate::writer::TokenUsage) {
+    let _ = install();
+    for (kind, tokens) in [
+        ("prompt", usage.prompt_tokens),
+        ("completion", usage.completion_tokens),
+    ] {
+        if let Some(tokens) = tokens {
+            counter!(LLM_TOKENS, "kind" => kind).increment(tokens.max(0) as u64);
+        }
+    }
+}
+
+/// An LLM call waits for the shared budget until the guard is dropped.
+pub fn llm_call_waiting() -> GaugeGuard {
+    let _ = install();
+    GaugeGuard::raise(gauge!(LLM_CALLS_WAITING))
+}
+
+/// A pause of every instance's LLM calls began (a call of this process or
+/// another met the rate limit); it lasts `remaining` more, as this process
+/// learned from the budget.
+pub fn llm_paused(remaining: Duration) {
+    let _ = install();
+    let until = std::time::SystemTime::now() + remaining;
+    let until = until
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    counter!(LLM_PAUSES).increment(1);
+    gauge!(LLM_PAUSED).set(1.0);
+    gauge!(LLM_PAUSED_UNTIL).set(until);
+}
+
+/// The pause seen is over.
+pub fn llm_resumed() {
+    let _ = install();
+    gauge!(LLM_PAUSED).set(0.0);
 }
 
 /// A claimed issue entered generation; it counts as in flight until the

@@ -30,6 +30,7 @@ use crate::db::issue::ClaimScope;
 use crate::db::pipeline_run::{self, RunRecord};
 use crate::db::{DbError, DbPool};
 use crate::listener::TransitionHub;
+use crate::llm_budget::Priority;
 use crate::retry::RetryScope;
 use crate::schedule::Schedule;
 use crate::settings::{Settings, SettingsCache};
@@ -308,8 +309,9 @@ impl Pipeline {
     ) -> Result<Vec<i64>, PipelineError> {
         let mut outcome = self.claimer.claim(ids, settings.lease(), scope).await?;
         record.claimed.extend(outcome.claimed_ids());
+        // The briefing's articles go first.
         self.generator
-            .submit(std::mem::take(&mut outcome.claimed))
+            .submit_at(std::mem::take(&mut outcome.claimed), Priority::Briefing)
             .await;
         let done = std::mem::take(&mut outcome.done);
         Ok(outcome
@@ -451,6 +453,8 @@ impl Pipeline {
         record: &mut RunRecord,
         publish_under: Option<&LockHolder>,
     ) -> Result<(), PipelineError> {
+        // A briefing is dated and titled as the settings say now.
+        let settings = self.settings.get().await?;
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let transaction = client.transaction().await.map_err(DbError::from)?;
         let mut publish = publish_under.is_some();
@@ -461,7 +465,7 @@ impl Pipeline {
             }
         }
         if publish {
-            match briefing::assemble(&transaction, &record.completed).await {
+            match briefing::assemble(&transaction, &record.completed, &settings).await {
                 Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
                 Err(AssembleError::Db(e)) => return Err(e.into()),
                 Err(e) => {
@@ -614,6 +618,7 @@ fn tick_to_arm(
     armed: Option<&(String, OffsetDateTime)>,
     schedule_text: &str,
     schedule: &Schedule,
+    zone: chrono_tz::Tz,
     now: OffsetDateTime,
 ) -> Option<OffsetDateTime> {
     match armed {
@@ -622,7 +627,7 @@ fn tick_to_arm(
         {
             Some(*tick)
         }
-        _ => schedule.next_tick(now),
+        _ => schedule.next_tick(now, zone),
     }
 }
 
@@ -668,19 +673,27 @@ impl PipelineScheduler {
                     }
                 }
             };
-            let next = match settings.schedule.parse::<Schedule>() {
-                Ok(schedule) => tick_to_arm(
+            // The armed tick belongs to the schedule on its clock: a new
+            // time zone moves it as a new schedule does.
+            let schedule_text = format!("{} ({})", settings.schedule, settings.timezone);
+            let next = match (settings.schedule.parse::<Schedule>(), settings.time_zone()) {
+                (Ok(schedule), Ok(zone)) => tick_to_arm(
                     armed.as_ref(),
-                    &settings.schedule,
+                    &schedule_text,
                     &schedule,
+                    zone,
                     OffsetDateTime::now_utc(),
                 ),
-                Err(e) => {
+                (Err(e), _) => {
                     tracing::error!(error = %e, "the schedule setting is invalid; scheduler idle until it changes");
                     None
                 }
+                (_, Err(e)) => {
+                    tracing::error!(error = %e, "scheduler idle until the timezone setting changes");
+                    None
+                }
             };
-            armed = next.map(|tick| (settings.schedule.clone(), tick));
+            armed = next.map(|tick| (schedule_text.clone(), tick));
             let Some(tick) = next else {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -723,7 +736,7 @@ impl PipelineScheduler {
             // is tried again while it is fresh; whoever records its run
             // first runs it, the others then find it recorded.
             if unrecorded {
-                armed = Some((settings.schedule.clone(), tick));
+                armed = Some((schedule_text, tick));
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     Ok(()) = changes.changed() => {}
@@ -742,31 +755,32 @@ mod tests {
     #[test]
     fn a_tick_armed_before_a_slow_settings_read_is_not_lost() {
         let text = "0 6 * * *";
+        let utc = chrono_tz::UTC;
         let schedule: Schedule = text.parse().unwrap();
         let tick = datetime!(2026-11-30 06:00:00 UTC);
         let armed = (text.to_string(), tick);
         // A change was announced at 05:59:59.8; the re-read ends at 06:00:00.1.
         let after = datetime!(2026-11-30 06:00:00.1 UTC);
         assert_eq!(
-            tick_to_arm(Some(&armed), text, &schedule, after),
+            tick_to_arm(Some(&armed), text, &schedule, utc, after),
             Some(tick)
         );
         // A new schedule counts from now.
         let hourly: Schedule = "0 * * * *".parse().unwrap();
         assert_eq!(
-            tick_to_arm(Some(&armed), "0 * * * *", &hourly, after),
+            tick_to_arm(Some(&armed), "0 * * * *", &hourly, utc, after),
             Some(datetime!(2026-11-30 07:00:00 UTC))
         );
         // Armed long ago (a day-long outage of the settings reads): the
         // next tick counts, not a run many hours late.
         let next_day = datetime!(2026-12-01 05:00:00 UTC);
         assert_eq!(
-            tick_to_arm(Some(&armed), text, &schedule, next_day),
+            tick_to_arm(Some(&armed), text, &schedule, utc, next_day),
             Some(datetime!(2026-12-01 06:00:00 UTC))
         );
         // Nothing armed: the next tick after now.
         assert_eq!(
-            tick_to_arm(None, text, &schedule, after),
+            tick_to_arm(None, text, &schedule, utc, after),
             Some(datetime!(2026-12-01 06:00:00 UTC))
         );
     }

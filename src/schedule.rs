@@ -1,13 +1,20 @@
 //! When the scheduler ticks: `off`, a fixed interval (`every 30s`,
-//! `every 15m`, `every 6h`), or a cron expression (5 or 6 fields, UTC).
+//! `every 15m`, `every 6h`), or a cron expression (5 or 6 fields) read on
+//! the clock of the readers' time zone (the `timezone` setting).
 //!
-//! Ticks are pure functions of the clock, so every instance computes the
-//! same tick instants and can agree on which run belongs to which tick.
-//! Interval ticks are aligned to multiples of the interval since the epoch.
+//! Ticks are pure functions of the clock and the time zone, so every
+//! instance computes the same tick instants and can agree on which run
+//! belongs to which tick. Interval ticks are aligned to multiples of the
+//! interval since the epoch, whatever the time zone. A cron tick follows
+//! the local clock across daylight-saving changes: `0 7 * * *` is 07:00
+//! local time on both sides of one; a time the clock skips (02:30 on the
+//! night it springs forward) ticks when the clock resumes (03:00), and a
+//! time it passes twice ticks once, the first time.
 
 use std::str::FromStr;
 use std::time::Duration;
 
+use chrono::TimeZone as _;
 use croner::parser::{CronParser, Seconds};
 use croner::Cron;
 use time::OffsetDateTime;
@@ -71,8 +78,9 @@ impl FromStr for Schedule {
 }
 
 impl Schedule {
-    /// The first tick strictly after `now`, or `None` when off.
-    pub fn next_tick(&self, now: OffsetDateTime) -> Option<OffsetDateTime> {
+    /// The first tick strictly after `now`, a cron expression read in
+    /// `zone`; `None` when off.
+    pub fn next_tick(&self, now: OffsetDateTime, zone: chrono_tz::Tz) -> Option<OffsetDateTime> {
         match self {
             Schedule::Off => None,
             Schedule::Every(every) => {
@@ -82,7 +90,9 @@ impl Schedule {
                 OffsetDateTime::from_unix_timestamp_nanos(next_ms * 1_000_000).ok()
             }
             Schedule::Cron(cron) => {
-                let now = chrono::DateTime::from_timestamp(now.unix_timestamp(), now.nanosecond())?;
+                let now = zone
+                    .timestamp_opt(now.unix_timestamp(), now.nanosecond())
+                    .single()?;
                 let next = cron.find_next_occurrence(&now, false).ok()?;
                 OffsetDateTime::from_unix_timestamp(next.timestamp()).ok()
             }
@@ -93,32 +103,103 @@ impl Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono_tz::{America, Asia, UTC};
     use time::macros::datetime;
 
     #[test]
     fn intervals_are_aligned_so_instances_agree() {
         let s: Schedule = "every 15m".parse().unwrap();
         let now = datetime!(2026-11-29 20:14:12 UTC);
-        assert_eq!(s.next_tick(now), Some(datetime!(2026-11-29 20:15:00 UTC)));
         assert_eq!(
-            s.next_tick(datetime!(2026-11-29 20:15:00 UTC)),
+            s.next_tick(now, UTC),
+            Some(datetime!(2026-11-29 20:15:00 UTC))
+        );
+        assert_eq!(
+            s.next_tick(datetime!(2026-11-29 20:15:00 UTC), UTC),
             Some(datetime!(2026-11-29 20:30:00 UTC))
         );
         let s: Schedule = "every 2s".parse().unwrap();
-        assert_eq!(s.next_tick(now), Some(datetime!(2026-11-29 20:14:14 UTC)));
+        assert_eq!(
+            s.next_tick(now, UTC),
+            Some(datetime!(2026-11-29 20:14:14 UTC))
+        );
     }
 
     #[test]
     fn cron_expressions_with_five_or_six_fields() {
         let daily: Schedule = "0 7 * * *".parse().unwrap();
         assert_eq!(
-            daily.next_tick(datetime!(2026-11-29 20:14:12 UTC)),
+            daily.next_tick(datetime!(2026-11-29 20:14:12 UTC), UTC),
             Some(datetime!(2026-11-30 07:00:00 UTC))
         );
         let every_ten_seconds: Schedule = "*/10 * * * * *".parse().unwrap();
         assert_eq!(
-            every_ten_seconds.next_tick(datetime!(2026-11-29 20:14:12 UTC)),
+            every_ten_seconds.next_tick(datetime!(2026-11-29 20:14:12 UTC), UTC),
             Some(datetime!(2026-11-29 20:14:20 UTC))
+        );
+    }
+
+    #[test]
+    fn cron_reads_the_readers_clock() {
+        // A 07:00 briefing in Seoul is at 22:00 UTC the day before.
+        let daily: Schedule = "0 7 * * *".parse().unwrap();
+        assert_eq!(
+            daily.next_tick(datetime!(2026-11-29 20:14:12 UTC), Asia::Seoul),
+            Some(datetime!(2026-11-29 22:00:00 UTC))
+        );
+        // Intervals stay aligned to the epoch, whatever the zone.
+        let s: Schedule = "every 15m".parse().unwrap();
+        assert_eq!(
+            s.next_tick(datetime!(2026-11-29 20:14:12 UTC), Asia::Kolkata),
+            Some(datetime!(2026-11-29 20:15:00 UTC))
+        );
+    }
+
+    /// Every tick after `from`, `n` of them.
+    fn ticks(
+        schedule: &Schedule,
+        zone: chrono_tz::Tz,
+        from: OffsetDateTime,
+        n: usize,
+    ) -> Vec<OffsetDateTime> {
+        std::iter::successors(schedule.next_tick(from, zone), |&t| {
+            schedule.next_tick(t, zone)
+        })
+        .take(n)
+        .collect()
+    }
+
+    #[test]
+    fn times_the_clock_skips_or_repeats() {
+        // 02:30 does not exist in New York on 8 March 2026: that day's tick
+        // is when the clock resumes, at 03:00 EDT.
+        let skipped: Schedule = "30 2 * * *".parse().unwrap();
+        assert_eq!(
+            ticks(
+                &skipped,
+                America::New_York,
+                datetime!(2026-03-07 12:00 UTC),
+                2
+            ),
+            [
+                datetime!(2026-03-08 07:00 UTC),
+                datetime!(2026-03-09 06:30 UTC)
+            ]
+        );
+        // 01:30 happens twice in New York on 1 November 2026: one tick, at
+        // the first (EDT, 05:30 UTC).
+        let repeated: Schedule = "30 1 * * *".parse().unwrap();
+        assert_eq!(
+            ticks(
+                &repeated,
+                America::New_York,
+                datetime!(2026-10-31 12:00 UTC),
+                2
+            ),
+            [
+                datetime!(2026-11-01 05:30 UTC),
+                datetime!(2026-11-02 06:30 UTC)
+            ]
         );
     }
 
@@ -129,7 +210,7 @@ mod tests {
             "off"
                 .parse::<Schedule>()
                 .unwrap()
-                .next_tick(OffsetDateTime::now_utc()),
+                .next_tick(OffsetDateTime::now_utc(), UTC),
             None
         );
         assert!("every 0s".parse::<Schedule>().is_err());

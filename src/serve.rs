@@ -18,6 +18,7 @@ use crate::done_issues::DoneIssues;
 use crate::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedPostgres};
 use crate::http::{self, AppState};
 use crate::listener::{Listener, ListenerOptions, TransitionHub};
+use crate::llm_budget::LlmBudget;
 use crate::pipeline::{Pipeline, PipelineScheduler};
 use crate::reaper::LeaseReaper;
 use crate::retry::{RetryScheduler, RetryScope};
@@ -177,13 +178,18 @@ impl Core {
         .await?;
         let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
         let claimer = Claimer::start(pool.clone(), instance.to_string(), 2);
-        let (generator, generator_handle) = Generator::new(
+        let calls_llm = writer.calls_llm();
+        let (mut generator, generator_handle) = Generator::new(
             pool.clone(),
             writer,
             settings.clone(),
             hub.settings_changed(),
             grace,
         );
+        if calls_llm {
+            let (budget, agent) = LlmBudget::start(pool.clone(), &hub, settings.clone(), instance);
+            generator = generator.sharing(budget, agent);
+        }
         let mut tasks = JoinSet::new();
         tasks.spawn(async move {
             let _ = listener_task.await;

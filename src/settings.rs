@@ -1,6 +1,11 @@
 //! Runtime settings, typed. Values live in the `setting` table (validated
 //! there); a running service re-reads them on next use after a
 //! `setting_changed` notification, and never polls.
+//!
+//! The integers are read as they are; the text settings have accessors
+//! that give them their types: [`Settings::prompts`] (what the LLM is
+//! asked) and [`Settings::time_zone`] (the readers' day and the cron
+//! schedule's clock).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -9,6 +14,18 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::db::{self, DbError, DbPool};
+use crate::writer::Prompts;
+
+/// A stored setting this binary cannot use. The database validates every
+/// value, so this means the database knows more than the binary: a time
+/// zone newer than the binary's time zone database.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettingError {
+    #[error(
+        "the timezone setting {0:?} is not in this binary's time zone database; set another IANA name (e.g. \"Asia/Seoul\") or upgrade newsnack"
+    )]
+    UnknownTimeZone(String),
+}
 
 /// Every setting the service uses, with the defaults of `setting_spec`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -24,6 +41,17 @@ pub struct Settings {
     pub retry_backoff_max_ms: i64,
     /// `off`, `every <n>s|m|h`, or a cron expression (see [`crate::schedule`]).
     pub schedule: String,
+    /// LLM calls in flight across all instances together.
+    pub llm_max_in_flight: i64,
+    /// LLM calls started per minute across all instances (0: unlimited).
+    pub llm_requests_per_minute: i64,
+    pub llm_system_prompt: String,
+    /// A template with `{title}` and `{body}`.
+    pub llm_user_prompt: String,
+    /// An IANA time zone name: the briefing's date and cron schedules.
+    pub timezone: String,
+    /// A template with `{date}` (see [`crate::briefing::title`]).
+    pub briefing_title: String,
 }
 
 impl Default for Settings {
@@ -39,6 +67,12 @@ impl Default for Settings {
             retry_backoff_ms: 2000,
             retry_backoff_max_ms: 300_000,
             schedule: "off".into(),
+            llm_max_in_flight: 8,
+            llm_requests_per_minute: 0,
+            llm_system_prompt: Prompts::DEFAULT.system.into(),
+            llm_user_prompt: Prompts::DEFAULT.user_template.into(),
+            timezone: "UTC".into(),
+            briefing_title: crate::briefing::DEFAULT_TITLE.into(),
         }
     }
 }
@@ -65,10 +99,35 @@ impl Settings {
         take("generation_concurrency", &mut s.generation_concurrency);
         take("retry_backoff_ms", &mut s.retry_backoff_ms);
         take("retry_backoff_max_ms", &mut s.retry_backoff_max_ms);
-        if let Some(schedule) = values.get("schedule") {
-            s.schedule = schedule.clone();
+        take("llm_max_in_flight", &mut s.llm_max_in_flight);
+        take("llm_requests_per_minute", &mut s.llm_requests_per_minute);
+        for (key, slot) in [
+            ("schedule", &mut s.schedule),
+            ("llm_system_prompt", &mut s.llm_system_prompt),
+            ("llm_user_prompt", &mut s.llm_user_prompt),
+            ("timezone", &mut s.timezone),
+            ("briefing_title", &mut s.briefing_title),
+        ] {
+            if let Some(value) = values.get(key) {
+                *slot = value.clone();
+            }
         }
         s
+    }
+
+    /// The prompts the next LLM call sends.
+    pub fn prompts(&self) -> Prompts<'_> {
+        Prompts {
+            system: &self.llm_system_prompt,
+            user_template: &self.llm_user_prompt,
+        }
+    }
+
+    /// The readers' time zone.
+    pub fn time_zone(&self) -> Result<chrono_tz::Tz, SettingError> {
+        self.timezone
+            .parse()
+            .map_err(|_| SettingError::UnknownTimeZone(self.timezone.clone()))
     }
 
     pub fn lease(&self) -> Duration {
@@ -180,5 +239,27 @@ mod tests {
         assert_eq!(s.top_k, 7);
         assert_eq!(s.lease_s, 60);
         assert_eq!(s.max_attempts, 3);
+        assert_eq!(s.prompts(), Prompts::DEFAULT);
+        assert_eq!(s.time_zone(), Ok(chrono_tz::UTC));
+    }
+
+    #[test]
+    fn text_settings_are_typed_by_their_accessors() {
+        let values: HashMap<String, String> = [
+            ("timezone".to_string(), "Asia/Seoul".to_string()),
+            ("llm_user_prompt".to_string(), "{title}: {body}".to_string()),
+        ]
+        .into();
+        let s = Settings::from_values(&values);
+        assert_eq!(s.time_zone(), Ok(chrono_tz::Asia::Seoul));
+        assert_eq!(s.prompts().user_template, "{title}: {body}");
+        let unknown = Settings {
+            timezone: "Mars/Olympus_Mons".into(),
+            ..Settings::default()
+        };
+        assert_eq!(
+            unknown.time_zone(),
+            Err(SettingError::UnknownTimeZone("Mars/Olympus_Mons".into()))
+        );
     }
 }

@@ -1,9 +1,16 @@
 //! Generation workers: turn claimed issues into articles, exactly once each.
 //!
 //! Every claimed issue gets a task that heartbeats its lease while it waits
-//! for an LLM slot and while the writer works. Slots are a semaphore sized by
-//! the `generation_concurrency` setting, resized live when it changes, so a
-//! rate-limited LLM is not hammered harder. The outcome is written fenced by
+//! for an LLM slot and while the writer works. A writer that calls an LLM
+//! gets its slots from the budget all instances share
+//! ([`crate::llm_budget`]: `llm_max_in_flight` across the cluster,
+//! `generation_concurrency` per instance, briefing before feed, a rate
+//! limit's pause); any other writer from a semaphore sized by the
+//! `generation_concurrency` setting, resized live when it changes. A call
+//! the LLM refuses for the account's quota (429 or 503 with `Retry-After`)
+//! pauses every instance's calls and fails its attempt with the attempt
+//! given back: the retry after the pause does not use up `max_attempts`.
+//! The outcome is written fenced by
 //! the claim's token: `DONE` plus the article in one transaction, or `FAILED`
 //! with the reason, and only if the issue is still `IN_PROGRESS` under this
 //! claim, so a reaped and re-claimed issue is never overwritten by a late
@@ -31,7 +38,8 @@ use tokio_util::sync::CancellationToken;
 use crate::db::issue::{self, ClaimedIssue, Completion, Fenced, RetryPolicy};
 use crate::db::{DbError, DbPool};
 use crate::group_commit::{each_or_alone, GroupCommit};
-use crate::settings::SettingsCache;
+use crate::llm_budget::{BudgetAgent, CallSlot, LlmBudget, Priority};
+use crate::settings::{Settings, SettingsCache};
 use crate::writer::{IssueText, SharedWriter};
 
 /// How a generation ended.
@@ -50,10 +58,14 @@ pub enum Generated {
     NotStarted,
 }
 
+/// A claimed issue for the generator, with the class its LLM call waits in
+/// (`None`: the class the issue was last asked for at).
+type Submitted = (ClaimedIssue, Option<Priority>);
+
 /// Hands claimed issues to the generator. Cheap to clone.
 #[derive(Clone)]
 pub struct GeneratorHandle {
-    queue: mpsc::UnboundedSender<ClaimedIssue>,
+    queue: mpsc::UnboundedSender<Submitted>,
     pool: DbPool,
     /// Claims handed in and not finished yet.
     backlog: Arc<AtomicUsize>,
@@ -64,12 +76,23 @@ impl GeneratorHandle {
     /// generator stopped taking work (a claim that committed while shutdown
     /// began) are released as `FAILED` with reason `shutdown` before this
     /// returns (while the pool is still open), so they do not wait out
-    /// their lease.
+    /// their lease. Their LLM calls wait in the class each issue was last
+    /// asked for at (briefing, unless asked otherwise): for retries.
     pub async fn submit(&self, issues: Vec<ClaimedIssue>) {
+        self.submit_in(issues, None).await
+    }
+
+    /// [`GeneratorHandle::submit`], the LLM calls waiting in `priority`
+    /// (remembered for the issues' retries).
+    pub async fn submit_at(&self, issues: Vec<ClaimedIssue>, priority: Priority) {
+        self.submit_in(issues, Some(priority)).await
+    }
+
+    async fn submit_in(&self, issues: Vec<ClaimedIssue>, priority: Option<Priority>) {
         let mut refused = Vec::new();
         for issue in issues {
             self.backlog.fetch_add(1, Ordering::SeqCst);
-            if let Err(mpsc::error::SendError(issue)) = self.queue.send(issue) {
+            if let Err(mpsc::error::SendError((issue, _))) = self.queue.send((issue, priority)) {
                 self.backlog.fetch_sub(1, Ordering::SeqCst);
                 refused.push((issue.id, issue.claim_id));
             }
@@ -126,10 +149,50 @@ pub struct Generator {
     writer: SharedWriter,
     settings: Arc<SettingsCache>,
     settings_changed: tokio::sync::watch::Receiver<u64>,
-    queue: mpsc::UnboundedReceiver<ClaimedIssue>,
+    queue: mpsc::UnboundedReceiver<Submitted>,
     backlog: Arc<AtomicUsize>,
     /// How long in-flight generations may run on after shutdown.
     grace: Duration,
+    /// The budget shared with every instance, for a writer that calls an
+    /// LLM, and the agent that talks to it.
+    shared: Option<(LlmBudget, BudgetAgent)>,
+}
+
+/// Where a generation gets the right to call its writer.
+#[derive(Clone)]
+enum Gate {
+    /// This instance's slots (`generation_concurrency`).
+    Local(Arc<Slots>),
+    /// The budget every instance shares.
+    Shared(LlmBudget),
+}
+
+/// The right to call the writer, held while it works (given back when
+/// dropped).
+enum Slot<'a> {
+    Local { _permit: SemaphorePermit<'a> },
+    Shared(CallSlot),
+}
+
+impl Gate {
+    /// A slot for `claimed`; `None` once the gate is closed (shutdown).
+    async fn slot(&self, claimed: &ClaimedIssue, priority: Option<Priority>) -> Option<Slot<'_>> {
+        match self {
+            Gate::Local(slots) => slots
+                .acquire()
+                .await
+                .map(|permit| Slot::Local { _permit: permit }),
+            Gate::Shared(budget) => budget.call_slot(claimed, priority).await.map(Slot::Shared),
+        }
+    }
+
+    /// No slot is handed out any more; waiters get `None`.
+    fn close(&self) {
+        match self {
+            Gate::Local(slots) => slots.close(),
+            Gate::Shared(budget) => budget.close(),
+        }
+    }
 }
 
 impl Generator {
@@ -153,6 +216,7 @@ impl Generator {
                 queue: rx,
                 backlog: backlog.clone(),
                 grace,
+                shared: None,
             },
             GeneratorHandle {
                 queue: tx,
@@ -160,6 +224,13 @@ impl Generator {
                 backlog,
             },
         )
+    }
+
+    /// Makes the generator take its writer's slots from the budget every
+    /// instance shares (see [`LlmBudget::start`]).
+    pub fn sharing(mut self, budget: LlmBudget, agent: BudgetAgent) -> Generator {
+        self.shared = Some((budget, agent));
+        self
     }
 
     /// Runs until `shutdown`, then drains as described in the module docs.
@@ -172,6 +243,10 @@ impl Generator {
             .unwrap_or(8)
             .max(1) as usize;
         let slots = Arc::new(Slots::new(initial));
+        let (gate, agent) = match self.shared.take() {
+            Some((budget, agent)) => (Gate::Shared(budget), Some(tokio::spawn(agent.run()))),
+            None => (Gate::Local(slots.clone()), None),
+        };
         let mut capacity = initial;
         let mut inflight: JoinSet<()> = JoinSet::new();
         let mut claims: HashMap<tokio::task::Id, InFlight> = HashMap::new();
@@ -184,44 +259,52 @@ impl Generator {
                     claims.remove(&id);
                     self.backlog.fetch_sub(1, Ordering::SeqCst);
                 }
-                Some(claimed) = self.queue.recv() => {
+                Some((claimed, priority)) = self.queue.recv() => {
                     let in_flight = InFlight {
                         claim: (claimed.id, claimed.claim_id),
                         start: Arc::default(),
                     };
                     let task = inflight.spawn(generate(
-                        self.pool.clone(),
-                        self.completer.clone(),
-                        self.writer.clone(),
-                        self.settings.clone(),
-                        slots.clone(),
+                        Generation {
+                            pool: self.pool.clone(),
+                            completer: self.completer.clone(),
+                            writer: self.writer.clone(),
+                            settings: self.settings.clone(),
+                            gate: gate.clone(),
+                        },
                         claimed,
+                        priority,
                         in_flight.start.clone(),
                     ));
                     claims.insert(task.id(), in_flight);
                 }
-                Ok(()) = self.settings_changed.changed() => {
+                // The budget reads `generation_concurrency` itself.
+                Ok(()) = self.settings_changed.changed(), if agent.is_none() => {
                     if let Ok(settings) = self.settings.get().await {
                         capacity = slots.resize(capacity, settings.generation_concurrency.max(1) as usize);
                     }
                 }
             }
         }
-        self.drain(&slots, inflight, claims).await;
+        self.drain(&gate, inflight, claims).await;
+        if let (Gate::Shared(budget), Some(agent)) = (&gate, agent) {
+            budget.leave().await;
+            let _ = agent.await;
+        }
     }
 
     async fn drain(
         mut self,
-        slots: &Slots,
+        gate: &Gate,
         mut inflight: JoinSet<()>,
         mut claims: HashMap<tokio::task::Id, InFlight>,
     ) {
         // Generations that have not begun never will: they are released
         // at once, with their attempt, and their tasks end without a slot.
-        slots.close();
+        gate.close();
         self.queue.close();
         let mut unstarted = Vec::new();
-        while let Ok(queued) = self.queue.try_recv() {
+        while let Ok((queued, _)) = self.queue.try_recv() {
             unstarted.push((queued.id, queued.claim_id));
         }
         claims.retain(|_, task| {
@@ -363,41 +446,71 @@ impl Slots {
     }
 }
 
-/// One issue, start to finish. Heartbeats the lease until the outcome is
-/// written; gives up at once if the claim is lost.
-async fn generate(
+/// What every generation of an instance works with.
+struct Generation {
     pool: DbPool,
     completer: Completer,
     writer: SharedWriter,
     settings: Arc<SettingsCache>,
-    slots: Arc<Slots>,
+    gate: Gate,
+}
+
+/// One issue, start to finish. Heartbeats the lease until the outcome is
+/// written; gives up at once if the claim is lost.
+async fn generate(
+    generation: Generation,
     claimed: ClaimedIssue,
+    priority: Option<Priority>,
     start: Arc<Start>,
 ) {
+    let Generation {
+        pool,
+        completer,
+        writer,
+        settings,
+        gate,
+    } = generation;
     let _in_flight = crate::metrics::generation_started();
-    let lease = match settings.get().await {
-        Ok(s) => s.lease(),
-        Err(_) => claimed.lease,
-    };
+    let known = settings.get().await.ok();
+    let lease = known.as_ref().map_or(claimed.lease, |s| s.lease());
     let answered = AtomicBool::new(false);
     let work = async {
-        let Some(slot) = slots.acquire().await else {
+        let Some(slot) = gate.slot(&claimed, priority).await else {
             return Ok(Generated::NotStarted);
         };
         if !start.begin() {
             return Ok(Generated::NotStarted);
         }
+        // The prompts as the settings say now: a change reaches the next
+        // call. Read before the wait, should the database be out of reach.
+        let now = settings.get().await.ok().or(known);
+        let fallback = Settings::default();
+        let prompts = now.as_deref().unwrap_or(&fallback).prompts();
         let started = std::time::Instant::now();
-        let result = writer.write(IssueText::from(&claimed)).await;
-        // The slot bounds LLM calls only; recording waits for its batch.
-        drop(slot);
+        let result = writer.write(IssueText::new(&claimed, prompts)).await;
+        // The slot bounds LLM calls only; recording waits for its batch. A
+        // pause the LLM asked for goes back with a shared slot.
+        let quota_pause = match (slot, result.as_ref().err()) {
+            (Slot::Shared(slot), Some(e)) => match e.pause().filter(|p| !p.is_zero()) {
+                Some(pause) => {
+                    tracing::warn!(issue = claimed.id, pause_s = pause.as_secs_f64(), reason = %e, "the LLM asked every caller to wait: pausing LLM calls on every instance");
+                    slot.finish_pausing(pause, e.reason().to_string());
+                    Some(pause)
+                }
+                None => None,
+            },
+            _ => None,
+        };
         crate::metrics::llm_call_finished(
             started.elapsed(),
             result.as_ref().err().map(|e| e.kind().as_str()),
         );
+        if let Ok(article) = &result {
+            crate::metrics::llm_tokens(article.usage);
+        }
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
         answered.store(true, Ordering::Relaxed);
-        record_patiently(&pool, &completer, &claimed, result, lease).await
+        record_patiently(&pool, &completer, &claimed, result, quota_pause, lease).await
     };
     tokio::pin!(work);
     // The heartbeat keeps the lease until the outcome is recorded. A lost
@@ -478,12 +591,13 @@ async fn record_patiently(
     completer: &Completer,
     claimed: &ClaimedIssue,
     result: Result<crate::writer::Article, crate::writer::WriteError>,
+    quota_pause: Option<Duration>,
     lease: Duration,
 ) -> Result<Generated, DbError> {
     let give_up_at = tokio::time::Instant::now() + lease;
     let (mut pause, longest) = RECORD_RETRY_PAUSES;
     loop {
-        match record(pool, completer, claimed, result.clone()).await {
+        match record(pool, completer, claimed, result.clone(), quota_pause).await {
             Err(e) if e.is_transient() && tokio::time::Instant::now() + pause < give_up_at => {
                 tracing::warn!(issue = claimed.id, error = %e, retry_in = ?pause, "cannot record the outcome yet; trying again");
                 tokio::time::sleep(pause).await;
@@ -494,12 +608,15 @@ async fn record_patiently(
     }
 }
 
-/// Writes the outcome, fenced by the claim.
+/// Writes the outcome, fenced by the claim. A failure that paused every
+/// instance (`quota_pause`) gives its attempt back and is not retried
+/// before the pause ends.
 async fn record(
     pool: &DbPool,
     completer: &Completer,
     claimed: &ClaimedIssue,
     result: Result<crate::writer::Article, crate::writer::WriteError>,
+    quota_pause: Option<Duration>,
 ) -> Result<Generated, DbError> {
     match result {
         Ok(article) => {
@@ -509,6 +626,7 @@ async fn record(
                     claim_id: claimed.claim_id,
                     headline: article.headline,
                     body: article.body,
+                    usage: article.usage,
                 })
                 .await?;
             match fenced {
@@ -527,8 +645,14 @@ async fn record(
             } else {
                 RetryPolicy::Never
             };
-            let client = pool.get().await?;
-            let fenced = issue::fail(&client, claimed.id, claimed.claim_id, &reason, retry).await?;
+            let mut client = pool.get().await?;
+            let fenced = match quota_pause {
+                Some(pause) => {
+                    issue::fail_unspent(&mut client, claimed.id, claimed.claim_id, &reason, pause)
+                        .await?
+                }
+                None => issue::fail(&client, claimed.id, claimed.claim_id, &reason, retry).await?,
+            };
             match fenced {
                 Fenced::Written => Ok(Generated::Failed {
                     reason,

@@ -392,7 +392,7 @@ async fn issue_rows_read_by_one_issue_batches(analyse_first: bool) -> (f64, f64)
     client
         .batch_execute(&format!(
             "PREPARE claim(bigint[], text, float8, integer) AS {};
-             PREPARE complete(bigint[], bigint[], text[], text[], text) AS {};",
+             PREPARE complete(bigint[], bigint[], text[], text[], text, integer[], integer[]) AS {};",
             newsnack::db::issue::CLAIM_STATEMENT,
             newsnack::db::issue::COMPLETE_STATEMENT,
         ))
@@ -400,7 +400,7 @@ async fn issue_rows_read_by_one_issue_batches(analyse_first: bool) -> (f64, f64)
         .unwrap();
     let claim = format!("EXECUTE claim(ARRAY[{pending}]::bigint[], 'me', 60, NULL)");
     let complete = format!(
-        "EXECUTE complete(ARRAY[{mine}]::bigint[], ARRAY[{claim_id}]::bigint[], '{{h}}', '{{b}}', 'me')"
+        "EXECUTE complete(ARRAY[{mine}]::bigint[], ARRAY[{claim_id}]::bigint[], '{{h}}', '{{b}}', 'me', NULL, NULL)"
     );
     (
         common::rows_read(&client, "issue", &claim).await,

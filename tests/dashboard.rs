@@ -75,10 +75,27 @@ async fn dashboard_json_has_the_documented_shape_as_of_one_log_position() {
             "counts",
             "in_flight",
             "last_seq",
+            "llm",
             "now",
             "runs",
             "transitions"
         ]
+    );
+    // The LLM budget: nothing queued or in flight, no pause, no tokens.
+    assert_eq!(
+        snap["llm"],
+        json!({
+            "max_in_flight": 8,
+            "requests_per_minute": 0,
+            "in_flight": 0,
+            "started_last_minute": 0,
+            "waiting_briefing": 0,
+            "waiting_feed": 0,
+            "holders": 0,
+            "pause": null,
+            "tokens_today": {"prompt": 0, "completion": 0},
+            "tokens_latest_briefing": {"prompt": 0, "completion": 0},
+        })
     );
     assert_eq!(
         snap["counts"],

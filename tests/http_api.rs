@@ -1262,6 +1262,7 @@ async fn complete(
         claim_id,
         headline: headline.into(),
         body: body.into(),
+        usage: Default::default(),
     };
     let fenced = newsnack::db::issue::complete(client, &[completion], writer).await?;
     Ok(fenced[0])
@@ -1290,6 +1291,7 @@ async fn a_batch_of_completions_writes_the_current_claims_and_fences_the_rest() 
         claim_id,
         headline: format!("headline {id}/{claim_id}"),
         body: "body".into(),
+        usage: Default::default(),
     };
     // ids[3] was taken away from its worker before the batch commits.
     client

@@ -20,11 +20,15 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Client, NoTls, Notification};
 
 /// Every table of the schema, as `grant` names them.
-const TABLES: [&str; 8] = [
+const TABLES: [&str; 12] = [
     "ai_article",
     "briefing",
     "issue",
+    "issue_priority",
     "issue_transition",
+    "llm_budget",
+    "llm_call",
+    "llm_holder",
     "newsnack_migration",
     "pipeline_run",
     "setting",
@@ -652,7 +656,7 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
     let functions = client
         .query(
             "SELECT p.proname::text, pg_get_function_identity_arguments(p.oid),
-                    pg_get_function_result(p.oid)
+                    pg_get_function_result(p.oid), pg_get_function_arguments(p.oid)
                FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace",
             &[],
         )
@@ -666,6 +670,17 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
             "boolean" => "LANGUAGE sql AS 'SELECT true'".into(),
             "integer" => "LANGUAGE sql AS 'SELECT 86400'".into(),
             "text" => "LANGUAGE sql AS 'SELECT NULL::text'".into(),
+            // A function with OUT parameters (the LLM budget's exchange).
+            "record" => {
+                let all_args: String = f.get(3);
+                client
+                    .batch_execute(&format!(
+                        "CREATE FUNCTION {role}.{name}({all_args}) LANGUAGE plpgsql AS $$BEGIN END$$"
+                    ))
+                    .await
+                    .unwrap();
+                continue;
+            }
             other => panic!("a function of the schema returning {other}: {name}"),
         };
         client

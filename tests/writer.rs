@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use fake_llm::{FakeLlm, Reply};
 use newsnack::writer::{
-    self, Article, IssueText, SharedWriter, WriteError, WriteErrorKind, WriterConfig,
+    self, Article, IssueText, Prompts, SharedWriter, TokenUsage, WriteError, WriteErrorKind,
+    WriterConfig,
 };
 use serde_json::json;
 
@@ -22,6 +23,7 @@ fn issue() -> IssueText<'static> {
         id: 42,
         title: TITLE,
         body: BODY,
+        prompts: Prompts::DEFAULT,
     }
 }
 
@@ -79,6 +81,11 @@ async fn a_good_answer_becomes_headline_and_body() {
         Article {
             headline: "Council passes 2025 budget".into(),
             body: "The council voted 7 to 2.\n\nSpending rises.".into(),
+            // As the API reported it.
+            usage: TokenUsage {
+                prompt_tokens: Some(1),
+                completion_tokens: Some(1),
+            },
         }
     );
 
@@ -374,6 +381,7 @@ async fn one_client_serves_concurrent_writes() {
                     id: i as i64,
                     title,
                     body: "",
+                    prompts: Prompts::DEFAULT,
                 })
                 .await
         }
@@ -405,6 +413,7 @@ async fn the_offline_writer_is_deterministic() {
             id: 1,
             title: "Quiet day",
             body: "",
+            prompts: Prompts::DEFAULT,
         }),
     )
     .await

@@ -1,6 +1,8 @@
 //! The dashboard's snapshot: counts per status, the claims in flight, the
-//! newest transitions, recent pipeline runs, the latest briefing and the log
-//! position they all reflect, read in one `REPEATABLE READ` snapshot.
+//! newest transitions, recent pipeline runs, the latest briefing, the LLM
+//! budget (queued calls by class, calls in flight against the limit, the
+//! pause, tokens spent) and the log position they all reflect, read in one
+//! `REPEATABLE READ` snapshot.
 //!
 //! Because a transition's log row is written in the transaction that makes
 //! the change, and `seq` is allocated in commit order, the rows read here
@@ -15,6 +17,7 @@ use time::OffsetDateTime;
 use tokio_postgres::types::Type;
 
 use super::briefing::{self, Briefing};
+use super::llm_budget::{self, BudgetView};
 use super::pipeline_run::{self, RunView};
 use super::{DbError, Sql};
 use crate::status::Status;
@@ -78,6 +81,8 @@ pub struct Snapshot {
     /// Newest first.
     pub runs: Vec<RunView>,
     pub briefing: Option<Briefing>,
+    /// The LLM budget every instance shares.
+    pub llm: BudgetView,
     /// The newest `seq` reflected in all of the above (0: an empty log).
     pub last_seq: i64,
     /// The server's clock, so a page can count leases down without trusting
@@ -86,10 +91,12 @@ pub struct Snapshot {
     pub now: OffsetDateTime,
 }
 
-/// Reads the snapshot in one read-only `REPEATABLE READ` transaction.
+/// Reads the snapshot in one read-only `REPEATABLE READ` transaction;
+/// "today" (for the tokens spent) began at `today_began`.
 pub async fn snapshot(
     client: &mut deadpool_postgres::Client,
     limits: Limits,
+    today_began: OffsetDateTime,
 ) -> Result<Snapshot, DbError> {
     let tx = client
         .build_transaction()
@@ -172,6 +179,7 @@ pub async fn snapshot(
 
     let runs = pipeline_run::recent(&tx, limits.runs).await?;
     let briefing = briefing::get(&tx, None).await?;
+    let llm = llm_budget::view(&tx, today_began).await?;
     tx.commit().await?;
 
     Ok(Snapshot {
@@ -180,6 +188,7 @@ pub async fn snapshot(
         transitions,
         runs,
         briefing,
+        llm,
         last_seq,
         now,
     })

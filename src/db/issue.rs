@@ -393,10 +393,14 @@ pub struct Completion {
     pub claim_id: i64,
     pub headline: String,
     pub body: String,
+    /// What the model said writing it took.
+    pub usage: crate::writer::TokenUsage,
 }
 
 /// The completion statement of [`complete`]. Its parameters: ids, claim
-/// ids, headlines and bodies (one element per completion) and the writer.
+/// ids, headlines and bodies (one element per completion), the writer, and
+/// the prompt and completion tokens (one element per completion, NULL
+/// where not reported).
 /// The ids are also matched with `= ANY($1)`, so that every plan looks them
 /// up by primary key, however few issues the statistics say are in flight.
 /// Only the rows of claims still current are locked, and rows another
@@ -410,8 +414,9 @@ pub struct Completion {
 /// was current as of the statement's snapshot: its id, its claim id, and
 /// whether it was written. Public so that tests can check its plan.
 pub const COMPLETE_STATEMENT: &str = "WITH input AS (
-         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[])
-                  AS t(id, claim_id, headline, body)
+         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[],
+                              $6::integer[], $7::integer[])
+                  AS t(id, claim_id, headline, body, prompt_tokens, completion_tokens)
      ), current AS (
          SELECT i.id, i.claim_id FROM issue i JOIN input USING (id, claim_id)
           WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'IN_PROGRESS'
@@ -426,8 +431,10 @@ pub const COMPLETE_STATEMENT: &str = "WITH input AS (
             AND i.id = current.id AND i.claim_id = current.claim_id
       RETURNING i.id, i.claim_id
      ), written AS (
-         INSERT INTO ai_article (issue_id, headline, body, writer, claim_id)
-         SELECT d.id, input.headline, input.body, $5, d.claim_id
+         INSERT INTO ai_article (issue_id, headline, body, writer, claim_id,
+                                 prompt_tokens, completion_tokens)
+         SELECT d.id, input.headline, input.body, $5, d.claim_id,
+                input.prompt_tokens, input.completion_tokens
            FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
       RETURNING issue_id, claim_id
      )
@@ -446,6 +453,7 @@ pub async fn complete(
 ) -> Result<Vec<Fenced>, DbError> {
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
+    let tokens = |f: fn(&Completion) -> Option<i32>| completions.iter().map(f).collect::<Vec<_>>();
     let current: BTreeMap<(i64, i64), bool> = client
         .sql()
         .query_typed(
@@ -456,6 +464,8 @@ pub async fn complete(
                 (&text(|c| &c.headline), Type::TEXT_ARRAY),
                 (&text(|c| &c.body), Type::TEXT_ARRAY),
                 (&writer, Type::TEXT),
+                (&tokens(|c| c.usage.prompt_tokens), Type::INT4_ARRAY),
+                (&tokens(|c| c.usage.completion_tokens), Type::INT4_ARRAY),
             ],
         )
         .await?
@@ -515,6 +525,45 @@ pub async fn fail(
             ],
         )
         .await?;
+    Ok(single_row_outcome(&row))
+}
+
+/// Fails a claim like [`fail`] (retryable, not before `retry_after`),
+/// giving its attempt back (migrations 9 and 10): the LLM refused the call
+/// for its account's quota (a 429 or 503 with `Retry-After`), not for the
+/// article, so the retry after the pause does not use up `max_attempts`.
+pub async fn fail_unspent(
+    client: &mut deadpool_postgres::Client,
+    id: i64,
+    claim_id: i64,
+    reason: &str,
+    retry_after: Duration,
+) -> Result<Fenced, DbError> {
+    let tx = client.transaction().await?;
+    // Bound to this very transaction: the trigger compares it with its own
+    // transaction id.
+    tx.sql()
+        .execute_typed(
+            "SELECT set_config('newsnack.attempt_unspent', txid_current()::text, true)",
+            &[],
+        )
+        .await?;
+    let row = tx
+        .sql()
+        .query_typed_one(
+            &single_row_write(
+                "processing_status = 'FAILED', last_error = $3,
+                 retry_not_before = now() + make_interval(secs => $4::float8)",
+            ),
+            &[
+                (&id, Type::INT8),
+                (&claim_id, Type::INT8),
+                (&reason, Type::TEXT),
+                (&retry_after.as_secs_f64(), Type::FLOAT8),
+            ],
+        )
+        .await?;
+    tx.commit().await?;
     Ok(single_row_outcome(&row))
 }
 

@@ -6,6 +6,7 @@ pub mod briefing;
 pub mod dashboard;
 pub mod endpoint;
 pub mod issue;
+pub mod llm_budget;
 pub mod migrate;
 pub mod pipeline_run;
 pub mod role;

@@ -10,6 +10,11 @@
 //! remembered. What a claim took reaches the generator even if the client
 //! hangs up before the answer.
 //!
+//! `"priority"` (`briefing`, the default, or `feed`) is the class the
+//! claimed issues' LLM calls wait in: while a briefing call waits on any
+//! instance, no feed call starts ([`crate::llm_budget`]); it is
+//! remembered for the issues' retries.
+//!
 //! An instance holding `max_backlog` (`NEWSNACK_MAX_BACKLOG`, 10,000)
 //! unfinished claims turns new requests away with 503 and `Retry-After`,
 //! claiming nothing: every claim it holds is heartbeated until written, so
@@ -30,6 +35,7 @@ use super::error::{ApiError, ApiJson};
 use super::AppState;
 use crate::db::issue::ClaimScope;
 use crate::input;
+use crate::llm_budget::Priority;
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/ai-articles", post(request_articles))
@@ -39,6 +45,10 @@ pub fn router() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 pub struct ArticleRequest {
     issue_ids: Vec<i64>,
+    /// Which LLM calls go first: `briefing` (the default) before `feed`,
+    /// across every instance.
+    #[serde(default)]
+    priority: Option<Priority>,
 }
 
 /// Claim issues for generation (`FOR NO KEY UPDATE SKIP LOCKED`).
@@ -46,12 +56,13 @@ pub struct ArticleRequest {
     responses((status = 202, description = "`{\"claimed\":[..],\"skipped\":[..]}`; generated in the background"),
               (status = 409, description = "nothing was claimable; same fields plus `error`"),
               (status = 503, description = "this instance holds `NEWSNACK_MAX_BACKLOG` unfinished claims; nothing claimed, `Retry-After` says when to try again"),
-              (status = 422, description = "invalid id list")))]
+              (status = 422, description = "invalid id list, or a `priority` other than `briefing` or `feed`")))]
 pub async fn request_articles(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ArticleRequest>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     input::check_ids("issue_ids", &request.issue_ids)?;
+    let priority = request.priority.unwrap_or(Priority::Briefing);
     let (open, done, known_since) = state.done.split(&request.issue_ids);
     if !done.is_empty() {
         crate::metrics::claims_skipped_known_done(done.len());
@@ -76,7 +87,9 @@ pub async fn request_articles(
                 .claim(open, settings.lease(), ClaimScope::Claimable)
                 .await?;
             let ids = outcome.claimed_ids();
-            generator.submit(std::mem::take(&mut outcome.claimed)).await;
+            generator
+                .submit_at(std::mem::take(&mut outcome.claimed), priority)
+                .await;
             Ok::<_, crate::db::DbError>((ids, outcome))
         })
         .await

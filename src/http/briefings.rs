@@ -35,8 +35,9 @@ pub async fn assemble(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<AssembleBody>,
 ) -> Result<(StatusCode, Json<Assembled>), ApiError> {
+    let settings = state.settings.get().await?;
     let client = state.pool.get().await.map_err(DbError::from)?;
-    match briefing::assemble(&client, &body.issue_ids).await {
+    match briefing::assemble(&client, &body.issue_ids, &settings).await {
         Ok(assembled) => Ok((StatusCode::CREATED, Json(assembled))),
         Err(AssembleError::Unpublishable {
             not_done,
@@ -47,6 +48,7 @@ pub async fn assemble(
         )),
         Err(AssembleError::Input(e)) => Err(e.into()),
         Err(AssembleError::Db(e)) => Err(e.into()),
+        Err(AssembleError::Setting(e)) => Err(ApiError::Unreadable(e.to_string())),
     }
 }
 

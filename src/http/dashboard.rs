@@ -3,8 +3,8 @@
 //! The page (plain HTML, CSS and JavaScript under `src/http/dashboard/`) is
 //! embedded in the binary with `include_str!`: no build step, no CDN. It
 //! loads `/dashboard.json` — counts per status, claims in flight, the newest
-//! transitions, recent pipeline runs and the latest briefing, all as of one
-//! log position `last_seq` — then follows `GET /events?since=<last_seq>`,
+//! transitions, recent pipeline runs, the latest briefing and the LLM
+//! budget, all as of one log position `last_seq` — then follows `GET /events?since=<last_seq>`,
 //! so no transition falls between the snapshot and the stream. Counts move
 //! with each event's `from`/`to`; the other panels are re-fetched from
 //! `/dashboard.json`, debounced, when events arrive.
@@ -57,7 +57,12 @@ async fn style_css() -> impl IntoResponse {
 }
 
 async fn snapshot(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
+    let settings = state.settings.get().await?;
+    // Today in the readers' time zone (UTC if the binary cannot read it).
+    let zone = settings.time_zone().unwrap_or(chrono_tz::UTC);
+    let today_began = crate::briefing::day_began(zone, time::OffsetDateTime::now_utc());
     let mut client = state.pool.get().await.map_err(DbError::from)?;
-    let snapshot: Snapshot = db::dashboard::snapshot(&mut client, Default::default()).await?;
+    let snapshot: Snapshot =
+        db::dashboard::snapshot(&mut client, Default::default(), today_began).await?;
     Ok(([(header::CACHE_CONTROL, "no-store")], Json(snapshot)))
 }

@@ -36,22 +36,51 @@ pub const ENV_LLM_TIMEOUT_S: &str = "NEWSNACK_LLM_TIMEOUT_S";
 pub const DEFAULT_MODEL: &str = "gpt-4o-mini";
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// What a writer is given: the text of one issue.
+/// What a writer that asks a model sends it: the settings
+/// `llm_system_prompt` and `llm_user_prompt` (a template in which `{title}`
+/// and `{body}` stand for the issue's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prompts<'a> {
+    pub system: &'a str,
+    pub user_template: &'a str,
+}
+
+impl Prompts<'static> {
+    /// The prompts the settings start with.
+    pub const DEFAULT: Prompts<'static> = Prompts {
+        system: openai::SYSTEM_PROMPT,
+        user_template: openai::USER_PROMPT_TEMPLATE,
+    };
+}
+
+/// What a writer is given: the text of one issue, and the prompts to ask
+/// for its article with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IssueText<'a> {
     pub id: i64,
     pub title: &'a str,
     pub body: &'a str,
+    pub prompts: Prompts<'a>,
 }
 
-impl<'a> From<&'a ClaimedIssue> for IssueText<'a> {
-    fn from(issue: &'a ClaimedIssue) -> Self {
+impl<'a> IssueText<'a> {
+    /// The issue, with `prompts`.
+    pub fn new(issue: &'a ClaimedIssue, prompts: Prompts<'a>) -> Self {
         IssueText {
             id: issue.id,
             title: &issue.title,
             body: &issue.body,
+            prompts,
         }
     }
+}
+
+/// What a model said it spent on one article, from the API's `usage`
+/// (`None` where it did not say).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub prompt_tokens: Option<i32>,
+    pub completion_tokens: Option<i32>,
 }
 
 /// What a writer produces. `body` holds paragraphs separated by a blank line.
@@ -59,6 +88,7 @@ impl<'a> From<&'a ClaimedIssue> for IssueText<'a> {
 pub struct Article {
     pub headline: String,
     pub body: String,
+    pub usage: TokenUsage,
 }
 
 /// What went wrong, as a short label for metrics and logs.
@@ -115,11 +145,15 @@ impl fmt::Display for WriteErrorKind {
 pub enum WriteError {
     /// Worth another attempt later: 429 (with the server's Retry-After if
     /// any), 5xx, timeouts, connection errors, malformed bodies.
+    /// `pauses_everyone`: the server asked every caller to wait
+    /// `retry_after` (a 429 or 503 with Retry-After): the quota failed, not
+    /// the article, and every instance pauses its calls.
     #[error("retryable: {reason}")]
     Retryable {
         kind: WriteErrorKind,
         reason: String,
         retry_after: Option<Duration>,
+        pauses_everyone: bool,
     },
     /// Will fail again: other 4xx, empty content, an answer cut off or
     /// filtered.
@@ -140,6 +174,17 @@ impl WriteError {
             kind,
             reason: reason.into(),
             retry_after,
+            pauses_everyone: false,
+        }
+    }
+
+    /// A retryable failure that asks every caller to wait `retry_after`.
+    pub fn pausing(kind: WriteErrorKind, reason: impl Into<String>, retry_after: Duration) -> Self {
+        WriteError::Retryable {
+            kind,
+            reason: reason.into(),
+            retry_after: Some(retry_after),
+            pauses_everyone: true,
         }
     }
 
@@ -162,6 +207,19 @@ impl WriteError {
         }
     }
 
+    /// How long every instance should pause its LLM calls, when the server
+    /// asked every caller to wait (see [`WriteError::pausing`]).
+    pub fn pause(&self) -> Option<Duration> {
+        match self {
+            WriteError::Retryable {
+                retry_after,
+                pauses_everyone: true,
+                ..
+            } => *retry_after,
+            _ => None,
+        }
+    }
+
     /// The short label for metrics; `kind().as_str()` gives the text.
     pub fn kind(&self) -> WriteErrorKind {
         match self {
@@ -180,6 +238,14 @@ impl WriteError {
 pub trait Writer: Send + Sync + 'static {
     /// A short name recorded with each article (`"offline"`, or `"openai:<model>"`).
     fn name(&self) -> &str;
+
+    /// Whether each write is a call to a language model, to be made within
+    /// the LLM budget all instances share (`llm_max_in_flight`, the
+    /// priorities, a rate limit's pause). Writers that need no model (the
+    /// offline writer) are bounded by `generation_concurrency` alone.
+    fn calls_llm(&self) -> bool {
+        false
+    }
 
     fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>>;
 }
@@ -438,6 +504,16 @@ mod tests {
         assert_eq!(err.retry_after(), None);
         assert_eq!(err.kind().to_string(), "empty");
         assert_eq!(err.to_string(), "fatal: empty content");
+        assert_eq!(err.pause(), None);
+
+        let err = WriteError::pausing(
+            WriteErrorKind::RateLimited,
+            "slow down",
+            Duration::from_secs(3),
+        );
+        assert!(err.is_retryable());
+        assert_eq!(err.pause(), Some(Duration::from_secs(3)));
+        assert_eq!(err.retry_after(), Some(Duration::from_secs(3)));
     }
 
     #[test]
@@ -451,7 +527,8 @@ mod tests {
             lease_until: time::OffsetDateTime::UNIX_EPOCH,
             lease: std::time::Duration::from_secs(60),
         };
-        let text = IssueText::from(&claimed);
+        let text = IssueText::new(&claimed, Prompts::DEFAULT);
         assert_eq!((text.id, text.title, text.body), (7, "Title", "Body."));
+        assert_eq!(text.prompts, Prompts::DEFAULT);
     }
 }

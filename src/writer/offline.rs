@@ -8,7 +8,7 @@
 
 use futures::future::{BoxFuture, FutureExt};
 
-use super::{Article, IssueText, WriteError, Writer};
+use super::{Article, IssueText, TokenUsage, WriteError, Writer};
 
 /// The last paragraph of every offline article.
 pub const CLOSING_LINE: &str = "newsnack will update this story as it develops.";
@@ -97,6 +97,8 @@ fn compose(title: &str, body: &str) -> Article {
     Article {
         headline,
         body: paragraphs.join("\n\n"),
+        // No model, nothing spent.
+        usage: TokenUsage::default(),
     }
 }
 
@@ -186,7 +188,12 @@ mod tests {
     use super::*;
 
     fn article(title: &str, body: &str) -> Article {
-        OfflineWriter.compose(IssueText { id: 1, title, body })
+        OfflineWriter.compose(IssueText {
+            id: 1,
+            title,
+            body,
+            prompts: crate::writer::Prompts::DEFAULT,
+        })
     }
 
     #[test]

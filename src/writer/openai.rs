@@ -1,6 +1,8 @@
-//! The OpenAI-compatible chat-completions client: the prompts, the one
-//! pooled `reqwest::Client`, the mapping of every failure onto retryable or
-//! fatal, and the parsing of the model's reply into headline and body.
+//! The OpenAI-compatible chat-completions client: the default prompts and
+//! the user prompt's template, the one pooled `reqwest::Client`, the
+//! mapping of every failure onto retryable or fatal (a 429 or 503 with
+//! `Retry-After` asks every instance to pause), and the parsing of the
+//! model's reply into headline, body and token usage.
 //!
 //! Works with any server speaking `POST {base}/chat/completions` (OpenAI,
 //! Ollama, vLLM, llama.cpp, LiteLLM, ...). The API key only ever travels in
@@ -16,20 +18,24 @@ use serde_json::Value;
 use time::OffsetDateTime;
 
 use super::{
-    parse_llm_url, Article, IssueText, WriteError, WriteErrorKind, Writer, WriterConfig,
-    WriterConfigError,
+    parse_llm_url, Article, IssueText, TokenUsage, WriteError, WriteErrorKind, Writer,
+    WriterConfig, WriterConfigError,
 };
 
-/// What the model is told it is.
+/// What the model is told it is: the default of the `llm_system_prompt`
+/// setting (migration 16 holds the same text).
 pub const SYSTEM_PROMPT: &str = "You are a news writer for newsnack, a daily news briefing. \
 Write in a neutral, factual news tone. Use only the facts in the material you are given: \
 never invent names, numbers, quotes or dates. Answer in plain text, without Markdown.";
 
-/// What the model is asked to do, followed by the issue's title and details.
-pub const USER_INSTRUCTIONS: &str = "Write a headline and a short news article \
+/// What the model is asked to do, with the issue's title and details: the
+/// default of the `llm_user_prompt` setting (migration 16 holds the same
+/// text). `{title}` and `{body}` stand for the issue's.
+pub const USER_PROMPT_TEMPLATE: &str = "Write a headline and a short news article \
 (3 to 5 short paragraphs) about the story below.\n\
 Answer with the headline alone on the first line, then a blank line, then the article, \
-with a blank line between paragraphs. Do not add labels such as \"Headline:\".";
+with a blank line between paragraphs. Do not add labels such as \"Headline:\".\n\n\
+Title: {title}\n\nDetails:\n{body}";
 
 /// Stands in for an issue without details.
 const NO_DETAILS: &str = "(no further details)";
@@ -137,13 +143,13 @@ impl OpenAiWriter {
     }
 
     async fn write_issue(&self, issue: IssueText<'_>) -> Result<Article, WriteError> {
-        let user_prompt = user_prompt(issue.title, issue.body);
+        let user_prompt = user_prompt(issue.prompts.user_template, issue.title, issue.body);
         let request = ChatRequest {
             model: &self.model,
             messages: [
                 ChatMessage {
                     role: "system",
-                    content: SYSTEM_PROMPT,
+                    content: issue.prompts.system,
                 },
                 ChatMessage {
                     role: "user",
@@ -166,15 +172,21 @@ impl OpenAiWriter {
                 "writing failed"
             );
         }
-        result.and_then(|content| {
-            parse_article(&content, issue.title).ok_or_else(|| {
+        result.and_then(|(content, usage)| {
+            let mut article = parse_article(&content, issue.title).ok_or_else(|| {
                 WriteError::fatal(WriteErrorKind::Empty, "empty content: no article text")
-            })
+            })?;
+            article.usage = usage;
+            Ok(article)
         })
     }
 
-    /// Sends the request; the text of the first choice, or why there is none.
-    async fn send(&self, builder: reqwest::RequestBuilder) -> Result<String, WriteError> {
+    /// Sends the request; the text of the first choice and the usage
+    /// reported, or why there is no text.
+    async fn send(
+        &self,
+        builder: reqwest::RequestBuilder,
+    ) -> Result<(String, TokenUsage), WriteError> {
         let mut response = builder
             .send()
             .await
@@ -195,7 +207,7 @@ impl OpenAiWriter {
                     None,
                 ));
             }
-            return completion_text(&body, secret);
+            return completion(&body, secret);
         }
         let retry_after = retry_after(response.headers(), OffsetDateTime::now_utc());
         // The status decides; a body that cannot be read only loses the snippet.
@@ -249,6 +261,10 @@ impl Writer for OpenAiWriter {
         &self.name
     }
 
+    fn calls_llm(&self) -> bool {
+        true
+    }
+
     fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>> {
         Box::pin(self.write_issue(issue))
     }
@@ -276,14 +292,31 @@ pub fn chat_completions_url(base: &str) -> Result<Url, WriterConfigError> {
     Ok(url)
 }
 
-/// The user message: the instructions, then the issue's title and body.
-pub fn user_prompt(title: &str, body: &str) -> String {
+/// The user message: `template` with `{title}` and `{body}` replaced by
+/// the issue's (trimmed; an empty body reads "(no further details)"), in
+/// one pass, so a title that itself says `{body}` stays as it is.
+pub fn user_prompt(template: &str, title: &str, body: &str) -> String {
     let body = body.trim();
     let body = if body.is_empty() { NO_DETAILS } else { body };
-    format!(
-        "{USER_INSTRUCTIONS}\n\nTitle: {title}\n\nDetails:\n{body}",
-        title = title.trim()
-    )
+    let title = title.trim();
+    let mut prompt = String::with_capacity(template.len() + title.len() + body.len());
+    let mut rest = template;
+    while let Some(at) = rest.find('{') {
+        prompt.push_str(&rest[..at]);
+        let tail = &rest[at..];
+        if let Some(after) = tail.strip_prefix("{title}") {
+            prompt.push_str(title);
+            rest = after;
+        } else if let Some(after) = tail.strip_prefix("{body}") {
+            prompt.push_str(body);
+            rest = after;
+        } else {
+            prompt.push('{');
+            rest = &tail[1..];
+        }
+    }
+    prompt.push_str(rest);
+    prompt
 }
 
 /// Reads the body, up to [`MAX_RESPONSE_BYTES`]; `false` if there was more.
@@ -309,12 +342,15 @@ fn status_error(status: StatusCode, retry_after: Option<Duration>, snippet: &str
             format!("{what} (HTTP {status}): {snippet}")
         }
     };
+    // The account's quota, not this article: a 429 or 503 that says how
+    // long to wait asks every caller to wait.
+    let quota = |kind: WriteErrorKind, what: &str| match retry_after {
+        Some(wait) => WriteError::pausing(kind, reason(what), wait),
+        None => WriteError::retryable(kind, reason(what), None),
+    };
     match status {
-        StatusCode::TOO_MANY_REQUESTS => WriteError::retryable(
-            WriteErrorKind::RateLimited,
-            reason("rate limited"),
-            retry_after,
-        ),
+        StatusCode::TOO_MANY_REQUESTS => quota(WriteErrorKind::RateLimited, "rate limited"),
+        StatusCode::SERVICE_UNAVAILABLE => quota(WriteErrorKind::ServerError, "server error"),
         StatusCode::REQUEST_TIMEOUT => WriteError::retryable(
             WriteErrorKind::Timeout,
             reason("server timed out"),
@@ -366,8 +402,9 @@ pub fn parse_retry_after(value: &str, now: OffsetDateTime) -> Option<Duration> {
     )
 }
 
-/// The text of the first choice of a chat-completions answer.
-fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteError> {
+/// The text of the first choice of a chat-completions answer, and the
+/// usage it reports.
+fn completion(body: &[u8], secret: Option<&str>) -> Result<(String, TokenUsage), WriteError> {
     // Malformed answers fail the attempt and are retried until
     // `max_attempts`, as the contract says: a gateway's HTML page or a
     // garbled reply is usually a passing fault, and the retry budget bounds
@@ -457,7 +494,22 @@ fn completion_text(body: &[u8], secret: Option<&str>) -> Result<String, WriteErr
             format!("incomplete answer (finish_reason: {finish})"),
         ));
     }
-    Ok(text)
+    Ok((text, reported_usage(&value)))
+}
+
+/// `usage.prompt_tokens` and `usage.completion_tokens`, each when it is a
+/// whole number an `integer` column holds.
+fn reported_usage(value: &Value) -> TokenUsage {
+    let tokens = |field: &str| {
+        value
+            .pointer(&format!("/usage/{field}"))
+            .and_then(Value::as_u64)
+            .and_then(|n| i32::try_from(n).ok())
+    };
+    TokenUsage {
+        prompt_tokens: tokens("prompt_tokens"),
+        completion_tokens: tokens("completion_tokens"),
+    }
 }
 
 /// For an error object in a 200 answer: the retryable kind its code or type
@@ -529,7 +581,11 @@ pub fn parse_article(content: &str, issue_title: &str) -> Option<Article> {
     } else {
         headline
     };
-    Some(Article { headline, body })
+    Some(Article {
+        headline,
+        body,
+        usage: TokenUsage::default(),
+    })
 }
 
 /// The text after a leading `<think>…</think>` block, which reasoning
@@ -699,6 +755,7 @@ mod tests {
         Article {
             headline: headline.into(),
             body: body.into(),
+            usage: TokenUsage::default(),
         }
     }
 
@@ -794,17 +851,43 @@ mod tests {
     }
 
     #[test]
-    fn completion_text_finds_the_first_choice() {
+    fn completion_finds_the_first_choice() {
         let body = br#"{"choices":[{"message":{"role":"assistant","content":"Hi\n\nThere."}}]}"#;
-        assert_eq!(completion_text(body, None).unwrap(), "Hi\n\nThere.");
+        assert_eq!(
+            completion(body, None).unwrap(),
+            ("Hi\n\nThere.".to_string(), TokenUsage::default())
+        );
         let parts = br#"{"choices":[{"message":{"content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]}}]}"#;
-        assert_eq!(completion_text(parts, None).unwrap(), "AB");
+        assert_eq!(completion(parts, None).unwrap().0, "AB");
     }
 
     #[test]
-    fn completion_text_failures_are_retried_unless_empty_or_refused() {
+    fn usage_is_taken_as_reported() {
+        let body = br#"{"choices":[{"message":{"content":"A"}}],"usage":{"prompt_tokens":120,"completion_tokens":45,"total_tokens":165}}"#;
+        assert_eq!(
+            completion(body, None).unwrap().1,
+            TokenUsage {
+                prompt_tokens: Some(120),
+                completion_tokens: Some(45)
+            }
+        );
+        // Missing, negative, fractional or too large: not known.
+        let body = br#"{"choices":[{"message":{"content":"A"}}],"usage":{"prompt_tokens":-1,"completion_tokens":9999999999}}"#;
+        assert_eq!(completion(body, None).unwrap().1, TokenUsage::default());
+        let body = br#"{"choices":[{"message":{"content":"A"}}],"usage":{"completion_tokens":7}}"#;
+        assert_eq!(
+            completion(body, None).unwrap().1,
+            TokenUsage {
+                prompt_tokens: None,
+                completion_tokens: Some(7)
+            }
+        );
+    }
+
+    #[test]
+    fn completion_failures_are_retried_unless_empty_or_refused() {
         let kind_and_reason = |body: &[u8]| {
-            let err = completion_text(body, Some("sk-secret")).unwrap_err();
+            let err = completion(body, Some("sk-secret")).unwrap_err();
             assert_eq!(
                 err.is_retryable(),
                 err.kind() == WriteErrorKind::Malformed,
@@ -869,6 +952,10 @@ mod tests {
             assert_eq!(err.retry_after(), if retryable { wait } else { None });
             assert!(err.reason().contains(&code.to_string()), "{err}");
             assert!(err.reason().ends_with(": details"), "{err}");
+            // Only a 429 or a 503 that says how long asks everyone to wait.
+            let pauses = [429, 503].contains(&code);
+            assert_eq!(err.pause(), if pauses { wait } else { None }, "{code}");
+            assert_eq!(status_error(status, None, "details").pause(), None);
         }
     }
 
@@ -1008,9 +1095,22 @@ mod tests {
 
     #[test]
     fn the_prompt_carries_title_and_body() {
-        let prompt = user_prompt("  A title ", "\nThe body.\n");
-        assert!(prompt.starts_with(USER_INSTRUCTIONS));
+        let prompt = user_prompt(USER_PROMPT_TEMPLATE, "  A title ", "\nThe body.\n");
+        assert!(prompt.starts_with("Write a headline and a short news article"));
         assert!(prompt.ends_with("Title: A title\n\nDetails:\nThe body."));
-        assert!(user_prompt("t", "  ").ends_with(NO_DETAILS));
+        assert!(user_prompt(USER_PROMPT_TEMPLATE, "t", "  ").ends_with(NO_DETAILS));
+    }
+
+    #[test]
+    fn the_template_is_filled_in_one_pass() {
+        assert_eq!(
+            user_prompt(
+                "다음 기사를 한국어로: {title} / {body} {x} {",
+                "T {body}",
+                "B"
+            ),
+            "다음 기사를 한국어로: T {body} / B {x} {"
+        );
+        assert_eq!(user_prompt("{body}{title}{body}", "t", "b"), "btb");
     }
 }

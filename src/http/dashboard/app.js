@@ -1,7 +1,8 @@
 // newsnack dashboard: plain JavaScript, no dependencies.
 //
-// 1. GET /dashboard.json: counts, claims, recent transitions, runs and the
-//    latest briefing, all as of one log position `last_seq`.
+// 1. GET /dashboard.json: counts, claims, recent transitions, runs, the
+//    latest briefing and the LLM budget, all as of one log position
+//    `last_seq`.
 // 2. EventSource on /events?since=<last_seq>: every later transition, in
 //    order, with no gap (the browser resumes with Last-Event-ID after a
 //    disconnect or a `dropped` notice). A `reset` notice (the log no longer
@@ -34,6 +35,8 @@
     source: null,
     live: "connecting",
     refresh: { timer: null, firstAsked: 0, running: false, again: false },
+    // When the LLM pause shown ends (server clock, ms); 0 when none.
+    pauseUntil: 0,
   };
 
   // Exposed for the browser test and for curious operators.
@@ -268,6 +271,62 @@
     $("runs-empty").hidden = runs.length > 0;
   }
 
+  // ---- the LLM budget ---------------------------------------------------
+
+  function number(n) {
+    return Number(n).toLocaleString("en-US");
+  }
+
+  function renderLlm(llm) {
+    if (!llm) return;
+    const inFlight = $("llm-in-flight");
+    inFlight.textContent = number(llm.in_flight);
+    inFlight.dataset.count = String(llm.in_flight);
+    $("llm-limit").textContent = number(llm.max_in_flight);
+    $("llm-rate").textContent =
+      llm.requests_per_minute > 0
+        ? " · " + number(llm.started_last_minute) + " of " + number(llm.requests_per_minute) + " started this minute"
+        : "";
+    const share = llm.max_in_flight > 0 ? Math.min(1, llm.in_flight / llm.max_in_flight) : 0;
+    $("llm-bar").style.width = (share * 100).toFixed(1) + "%";
+    $("llm-waiting-briefing").textContent = number(llm.waiting_briefing);
+    $("llm-waiting-feed").textContent = number(llm.waiting_feed);
+    $("tokens-today-prompt").textContent = number(llm.tokens_today.prompt);
+    $("tokens-today-completion").textContent = number(llm.tokens_today.completion);
+    $("tokens-briefing-prompt").textContent = number(llm.tokens_latest_briefing.prompt);
+    $("tokens-briefing-completion").textContent = number(llm.tokens_latest_briefing.completion);
+    const pause = llm.pause;
+    const paused = Boolean(pause && pause.active);
+    $("llm").dataset.paused = paused ? "1" : "0";
+    const banner = $("llm-pause");
+    banner.hidden = !paused;
+    if (paused) {
+      state.pauseUntil = Date.parse(pause.until);
+      banner.dataset.reason = pause.reason || "";
+      banner.title = pause.reason || "";
+      tickPause();
+    } else {
+      state.pauseUntil = 0;
+    }
+  }
+
+  // The pause counts down between snapshots; its end brings a new one.
+  function tickPause() {
+    const banner = $("llm-pause");
+    if (!state.pauseUntil) return;
+    const left = state.pauseUntil - serverNow();
+    if (left <= 0) {
+      state.pauseUntil = 0;
+      banner.hidden = true;
+      $("llm").dataset.paused = "0";
+      scheduleRefresh();
+      return;
+    }
+    banner.textContent =
+      "Paused by a rate limit for " + duration(left) + " more (until " + clock(new Date(state.pauseUntil).toISOString()) + ")" +
+      (banner.dataset.reason ? ": " + banner.dataset.reason : "");
+  }
+
   // ---- the briefing (a tiny Markdown subset) ----------------------------
 
   function inline(text) {
@@ -371,6 +430,7 @@
     fillTitles();
     renderClaims(snap.in_flight);
     renderRuns(snap.runs);
+    renderLlm(snap.llm);
     renderBriefing(snap.briefing);
     $("updated").textContent = "updated " + clock(new Date().toISOString());
   }
@@ -493,6 +553,7 @@
     }
     connect();
     setInterval(tickLeases, 1000);
+    setInterval(tickPause, 1000);
     // While the stream is down, the panels still follow the database.
     setInterval(() => {
       if (state.live !== "live") scheduleRefresh();

@@ -1,0 +1,221 @@
+//! Queries on the LLM budget all instances share (migration 16): the one
+//! exchange a holder has with it, and what the dashboard shows of it.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use time::OffsetDateTime;
+use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
+
+use super::{DbError, Sql};
+use crate::llm_budget::Priority;
+
+/// A call to queue: its claim, and its class (`None`: the class the issue
+/// was last asked for at, else briefing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallToQueue {
+    pub issue_id: i64,
+    pub claim_id: i64,
+    pub priority: Option<Priority>,
+}
+
+/// What a holder brings to an exchange.
+#[derive(Debug, Clone, Copy)]
+pub struct Exchange<'a> {
+    /// This process, as the budget knows it.
+    pub holder: &'a str,
+    /// The instance name, for people.
+    pub instance: &'a str,
+    /// How long the holder lives without another exchange.
+    pub lease: Duration,
+    pub queue: &'a [CallToQueue],
+    /// The holder's calls that ended, or will never run.
+    pub finished: &'a [i64],
+    /// A pause every instance should keep, and why.
+    pub pause: Option<(Duration, &'a str)>,
+    /// The holder goes away with all its calls.
+    pub leaving: bool,
+}
+
+/// A pause in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PauseInForce {
+    /// How long it still lasts, by the database's clock.
+    pub remaining: Duration,
+    pub reason: Option<String>,
+    /// The instance whose call met the rate limit.
+    pub by: Option<String>,
+}
+
+/// What the budget answered.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ExchangeAnswer {
+    /// The ids of the calls queued, in the order given.
+    pub queued: Vec<i64>,
+    /// Every call of the holder granted and not finished.
+    pub granted: Vec<i64>,
+    /// How many calls the holder has in the budget, waiting or granted.
+    pub holding: i64,
+    pub pause: Option<PauseInForce>,
+    /// When to ask again, if some of the holder's calls wait for what time
+    /// brings (a pause ending, the minute's window moving on, another
+    /// holder's lease running out).
+    pub ask_again_in: Option<Duration>,
+}
+
+/// One exchange (`newsnack_llm_exchange`, one statement): renews the
+/// holder's lease, takes its finished calls back, records a pause, queues
+/// its new calls and grants what the budget allows, cluster-wide.
+pub async fn exchange(
+    client: &impl Sql,
+    exchange: &Exchange<'_>,
+) -> Result<ExchangeAnswer, DbError> {
+    let issue_ids: Vec<i64> = exchange.queue.iter().map(|c| c.issue_id).collect();
+    let claim_ids: Vec<i64> = exchange.queue.iter().map(|c| c.claim_id).collect();
+    let priorities: Vec<Option<&str>> = exchange
+        .queue
+        .iter()
+        .map(|c| c.priority.map(Priority::as_str))
+        .collect();
+    let (pause_s, pause_reason) = match exchange.pause {
+        Some((pause, reason)) => (Some(pause.as_secs_f64()), Some(reason)),
+        None => (None, None),
+    };
+    let row = client
+        .sql()
+        .query_typed_one(
+            "SELECT queued, granted, holding, paused_for_s, pause_reason, paused_by, ask_again_in_s
+               FROM newsnack_llm_exchange($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            &[
+                (&exchange.holder, Type::TEXT),
+                (&exchange.instance, Type::TEXT),
+                (&exchange.lease.as_secs_f64(), Type::FLOAT8),
+                (&issue_ids, Type::INT8_ARRAY),
+                (&claim_ids, Type::INT8_ARRAY),
+                (&priorities, Type::TEXT_ARRAY),
+                (&exchange.finished, Type::INT8_ARRAY),
+                (&pause_s, Type::FLOAT8),
+                (&pause_reason, Type::TEXT),
+                (&exchange.leaving, Type::BOOL),
+            ],
+        )
+        .await?;
+    let seconds = |idx: usize| {
+        row.get::<_, Option<f64>>(idx)
+            .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO))
+    };
+    Ok(ExchangeAnswer {
+        queued: row.get::<_, Option<Vec<i64>>>(0).unwrap_or_default(),
+        granted: row.get::<_, Option<Vec<i64>>>(1).unwrap_or_default(),
+        holding: row.get::<_, Option<i64>>(2).unwrap_or_default(),
+        pause: seconds(3).map(|remaining| PauseInForce {
+            remaining,
+            reason: row.get(4),
+            by: row.get(5),
+        }),
+        ask_again_in: seconds(6),
+    })
+}
+
+/// The last pause, as the dashboard shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PauseView {
+    #[serde(with = "time::serde::rfc3339")]
+    pub until: OffsetDateTime,
+    /// Still in force.
+    pub active: bool,
+    pub reason: Option<String>,
+    pub by: Option<String>,
+}
+
+/// Tokens spent, as the API reported them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Tokens {
+    pub prompt: i64,
+    pub completion: i64,
+}
+
+/// The budget now: what waits, what is in flight against the limit, the
+/// pause, and what was spent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BudgetView {
+    /// `llm_max_in_flight`.
+    pub max_in_flight: i64,
+    /// `llm_requests_per_minute` (0: unlimited).
+    pub requests_per_minute: i64,
+    /// Calls granted and not finished, every instance together.
+    pub in_flight: i64,
+    /// Calls started within the last minute.
+    pub started_last_minute: i64,
+    /// Calls waiting for the budget, by class.
+    pub waiting_briefing: i64,
+    pub waiting_feed: i64,
+    /// Processes holding calls.
+    pub holders: i64,
+    pub pause: Option<PauseView>,
+    /// Tokens of the articles written today, in the readers' time zone.
+    pub tokens_today: Tokens,
+    /// Tokens of the latest briefing's articles.
+    pub tokens_latest_briefing: Tokens,
+}
+
+/// Reads the budget, as of `client`'s snapshot; "today" starts at
+/// `today_began`.
+pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<BudgetView, DbError> {
+    let row = client
+        .sql()
+        .query_typed_one(
+            "WITH live AS (
+                 SELECT c.* FROM llm_call c JOIN llm_holder h USING (holder)
+                  WHERE h.lease_until >= now() AND c.finished_at IS NULL
+             ), latest AS (
+                 SELECT issue_ids FROM briefing ORDER BY id DESC LIMIT 1
+             )
+             SELECT (SELECT COALESCE(s.value, sp.default_value)::bigint
+                       FROM setting_spec sp LEFT JOIN setting s USING (key)
+                      WHERE sp.key = 'llm_max_in_flight'),
+                    (SELECT COALESCE(s.value, sp.default_value)::bigint
+                       FROM setting_spec sp LEFT JOIN setting s USING (key)
+                      WHERE sp.key = 'llm_requests_per_minute'),
+                    (SELECT count(*) FROM live WHERE granted_at IS NOT NULL),
+                    (SELECT count(*) FROM llm_call WHERE granted_at >= now() - interval '1 minute'),
+                    (SELECT count(*) FROM live WHERE granted_at IS NULL AND priority = 'briefing'),
+                    (SELECT count(*) FROM live WHERE granted_at IS NULL AND priority = 'feed'),
+                    (SELECT count(*) FROM llm_holder WHERE lease_until >= now()),
+                    b.paused_until, b.paused_until > now(), b.pause_reason, b.paused_by,
+                    (SELECT COALESCE(sum(prompt_tokens), 0)::bigint FROM ai_article WHERE created_at >= $1),
+                    (SELECT COALESCE(sum(completion_tokens), 0)::bigint FROM ai_article WHERE created_at >= $1),
+                    (SELECT COALESCE(sum(a.prompt_tokens), 0)::bigint
+                       FROM ai_article a, latest WHERE a.issue_id = ANY(latest.issue_ids)),
+                    (SELECT COALESCE(sum(a.completion_tokens), 0)::bigint
+                       FROM ai_article a, latest WHERE a.issue_id = ANY(latest.issue_ids))
+               FROM llm_budget b",
+            &[(&today_began, Type::TIMESTAMPTZ)],
+        )
+        .await?;
+    let until: Option<OffsetDateTime> = row.get(7);
+    Ok(BudgetView {
+        max_in_flight: row.get(0),
+        requests_per_minute: row.get(1),
+        in_flight: row.get(2),
+        started_last_minute: row.get(3),
+        waiting_briefing: row.get(4),
+        waiting_feed: row.get(5),
+        holders: row.get(6),
+        pause: until.map(|until| PauseView {
+            until,
+            active: row.get::<_, Option<bool>>(8).unwrap_or(false),
+            reason: row.get(9),
+            by: row.get(10),
+        }),
+        tokens_today: Tokens {
+            prompt: row.get(11),
+            completion: row.get(12),
+        },
+        tokens_latest_briefing: Tokens {
+            prompt: row.get(13),
+            completion: row.get(14),
+        },
+    })
+}
