@@ -1,7 +1,8 @@
 //! A local fake of an OpenAI-compatible chat-completions server, for tests:
 //! an axum server on 127.0.0.1 (a free port) that answers every
 //! `POST /v1/chat/completions` as a test script says, and records what it
-//! was sent (count, last request body, last `Authorization` header). It
+//! was sent (count, last request body, last `Authorization` header, and
+//! every arrival with its time and how many calls were in flight). It
 //! can be stopped (connections refused) and restarted on the same address,
 //! to play an LLM that is down for a while.
 #![allow(dead_code)]
@@ -32,6 +33,9 @@ pub enum Reply {
     },
     /// 429 with `Retry-After: <retry_after_s>`.
     RateLimited { retry_after_s: u64 },
+    /// Like `Ok`, reporting `usage` as the answer's `usage` (`Null`: no
+    /// `usage` at all).
+    WithUsage { content: String, usage: Value },
     /// 500 with a JSON error body.
     ServerError,
     /// Like `Ok`, once `open` turns true.
@@ -57,6 +61,24 @@ pub enum Reply {
 
 type Script = dyn Fn(u64, &Value) -> Reply + Send + Sync;
 
+/// One request as it arrived.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub at: std::time::Instant,
+    /// How many were being answered when it arrived (itself included).
+    pub in_flight: u64,
+    pub request: Value,
+}
+
+impl Arrival {
+    /// The user message of the request.
+    pub fn user_prompt(&self) -> &str {
+        self.request["messages"][1]["content"]
+            .as_str()
+            .unwrap_or("")
+    }
+}
+
 struct Shared {
     script: Box<Script>,
     requests: AtomicU64,
@@ -65,6 +87,9 @@ struct Shared {
     /// For each request, in order, how many were being answered when it
     /// arrived (itself included).
     in_flight_at_arrival: Mutex<Vec<u64>>,
+    arrivals: Mutex<Vec<Arrival>>,
+    /// How many requests have arrived, to wait on.
+    arrived: tokio::sync::watch::Sender<u64>,
     last_authorization: Mutex<Option<String>>,
     last_request: Mutex<Option<Value>>,
     /// Cancelled when the current run of the server stops.
@@ -90,6 +115,8 @@ impl FakeLlm {
             in_flight: AtomicU64::new(0),
             max_in_flight: AtomicU64::new(0),
             in_flight_at_arrival: Mutex::new(Vec::new()),
+            arrivals: Mutex::new(Vec::new()),
+            arrived: tokio::sync::watch::channel(0).0,
             last_authorization: Mutex::new(None),
             last_request: Mutex::new(None),
             stopping: Mutex::new(CancellationToken::new()),
@@ -140,6 +167,23 @@ impl FakeLlm {
     /// answered when it arrived (itself included).
     pub fn in_flight_at_arrival(&self) -> Vec<u64> {
         self.shared.in_flight_at_arrival.lock().unwrap().clone()
+    }
+
+    /// Every request so far, in arrival order.
+    pub fn arrivals(&self) -> Vec<Arrival> {
+        self.shared.arrivals.lock().unwrap().clone()
+    }
+
+    /// Waits until at least `n` requests have arrived (at most 60 s).
+    pub async fn until_requests(&self, n: u64) {
+        let mut arrived = self.shared.arrived.subscribe();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            arrived.wait_for(|count| *count >= n),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {n} requests at the fake LLM"))
+        .unwrap();
     }
 
     /// The `Authorization` header of the last request, if it had one.
@@ -204,12 +248,18 @@ async fn chat_completions(
     };
     shared.max_in_flight.fetch_max(now, Ordering::SeqCst);
     let _leaving = InFlight(shared.clone());
+    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    shared.arrivals.lock().unwrap().push(Arrival {
+        at: std::time::Instant::now(),
+        in_flight: now,
+        request: request.clone(),
+    });
+    shared.arrived.send_modify(|count| *count += 1);
     let authorization = headers
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .map(str::to_string);
     *shared.last_authorization.lock().unwrap() = authorization;
-    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     *shared.last_request.lock().unwrap() = Some(request.clone());
 
     let stopping = shared.stopping.lock().unwrap().clone();
@@ -228,11 +278,17 @@ async fn chat_completions(
         }
         reply = Reply::Ok(content);
     }
+    if let Reply::Ok(content) = reply {
+        let usage = json!({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2});
+        reply = Reply::WithUsage { content, usage };
+    }
     match reply {
-        Reply::Slow { .. } | Reply::Gated { .. } => unreachable!("turned into Ok above"),
-        Reply::Ok(content) => {
+        Reply::Slow { .. } | Reply::Gated { .. } | Reply::Ok(_) => {
+            unreachable!("turned into WithUsage above")
+        }
+        Reply::WithUsage { content, usage } => {
             let model = request.get("model").cloned().unwrap_or(Value::Null);
-            let completion = json!({
+            let mut completion = json!({
                 "id": format!("chatcmpl-fake-{n}"),
                 "object": "chat.completion",
                 "created": 0,
@@ -242,8 +298,10 @@ async fn chat_completions(
                     "message": {"role": "assistant", "content": content},
                     "finish_reason": "stop",
                 }],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             });
+            if !usage.is_null() {
+                completion["usage"] = usage;
+            }
             (StatusCode::OK, axum::Json(completion)).into_response()
         }
         Reply::RateLimited { retry_after_s } => (
