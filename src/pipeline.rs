@@ -177,13 +177,13 @@ impl Pipeline {
             .carry_out(run_id, &settings, stop, decide_now, &mut record)
             .await
         {
-            Ok(publish) => self.finish(run_id, record, publish, lock).await,
+            Ok(publish) => self.finish(run_id, record, publish, lock, &settings).await,
             Err(e) => {
                 // A run that started is always finished, so it never stays
                 // `running` until another instance calls it abandoned.
                 record.outcome = "error".into();
                 record.error = Some(e.to_string());
-                if let Err(unrecorded) = self.finish(run_id, record, false, lock).await {
+                if let Err(unrecorded) = self.finish(run_id, record, false, lock, &settings).await {
                     tracing::warn!(run_id, error = %unrecorded, "could not record the failed run");
                 }
                 Err(e)
@@ -367,16 +367,17 @@ impl Pipeline {
         mut record: RunRecord,
         publish: bool,
         lock: &LockHolder,
+        settings: &Settings,
     ) -> Result<Option<RunSummary>, PipelineError> {
         if lock.borrow().is_none() && record.outcome == "abandoned" {
             record.lock_lost();
         }
         let recorded = match self
-            .record(run_id, &mut record, publish.then_some(lock))
+            .record(run_id, &mut record, publish.then_some(lock), settings)
             .await
         {
             Err(PipelineError::Db(e)) if publish => {
-                self.record_failure(run_id, &mut record, e).await
+                self.record_failure(run_id, &mut record, e, settings).await
             }
             recorded => recorded,
         };
@@ -414,12 +415,13 @@ impl Pipeline {
         run_id: i64,
         record: &mut RunRecord,
         error: DbError,
+        settings: &Settings,
     ) -> Result<(), PipelineError> {
         let attempted = record.clone();
         record.outcome = "error".into();
         record.error = Some(error.to_string());
         record.briefing_id = None;
-        match self.record(run_id, record, None).await {
+        match self.record(run_id, record, None, settings).await {
             Ok(()) => Err(error.into()),
             Err(PipelineError::TakenOver) if self.recorded_as(run_id, &attempted).await => {
                 tracing::warn!(run_id, %error, "the run's last commit reported an error but was recorded");
@@ -452,9 +454,8 @@ impl Pipeline {
         run_id: i64,
         record: &mut RunRecord,
         publish_under: Option<&LockHolder>,
+        settings: &Settings,
     ) -> Result<(), PipelineError> {
-        // A briefing is dated and titled as the settings say now.
-        let settings = self.settings.get().await?;
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let transaction = client.transaction().await.map_err(DbError::from)?;
         let mut publish = publish_under.is_some();
@@ -465,7 +466,9 @@ impl Pipeline {
             }
         }
         if publish {
-            match briefing::assemble(&transaction, &record.completed, &settings).await {
+            // Dated and titled as the settings the run started with (and
+            // recorded) say.
+            match briefing::assemble(&transaction, &record.completed, settings).await {
                 Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
                 Err(AssembleError::Db(e)) => return Err(e.into()),
                 Err(e) => {
