@@ -561,9 +561,16 @@ async fn settings(database: &db::Database, cmd: SettingsCommand) -> Result<ExitC
     match cmd {
         SettingsCommand::List => {
             for s in db::setting::list(&client).await? {
+                let bounds = match s.kind.as_str() {
+                    "integer" => format!(", {}..{}", s.min_value, s.max_value),
+                    _ => String::new(),
+                };
                 println!(
-                    "{:<28} {:>8}  (default {}, {}..{})  {}",
-                    s.key, s.value, s.default_value, s.min_value, s.max_value, s.description
+                    "{:<28} {:>8}  (default {}{bounds})  {}",
+                    s.key,
+                    one_line(&s.value),
+                    one_line(&s.default_value),
+                    s.description
                 );
             }
         }
@@ -586,6 +593,17 @@ async fn settings(database: &db::Database, cmd: SettingsCommand) -> Result<ExitC
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A setting's value on one line of a listing: line breaks shown as `⏎`,
+/// and a long text (a prompt) cut short; `settings get` shows it whole.
+fn one_line(value: &str) -> String {
+    const LONGEST: usize = 48;
+    let flat = value.replace('\n', "⏎");
+    match flat.char_indices().nth(LONGEST) {
+        Some((cut, _)) => format!("{}…", &flat[..cut]),
+        None => flat,
+    }
 }
 
 async fn wait(
@@ -739,4 +757,19 @@ async fn grant(database: &db::Database, kind: RoleKind, name: &str) -> Result<Ex
         })
     );
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listed_value_takes_one_short_line() {
+        assert_eq!(one_line("8"), "8");
+        assert_eq!(one_line("a\nb"), "a⏎b");
+        let prompt = "제목: {title}\n".repeat(10);
+        let listed = one_line(&prompt);
+        assert_eq!(listed.chars().count(), 49);
+        assert!(listed.ends_with('…') && !listed.contains('\n'), "{listed}");
+    }
 }

@@ -17,6 +17,9 @@ pub struct SettingRow {
     pub min_value: i64,
     pub max_value: i64,
     pub description: String,
+    /// `integer`, or the kind of text it is (`schedule`, `prompt`,
+    /// `prompt_template`, `time_zone`, `title_template`).
+    pub kind: String,
 }
 
 /// Every known setting; a key without a row shows its default.
@@ -25,7 +28,7 @@ pub async fn list(client: &impl Sql) -> Result<Vec<SettingRow>, DbError> {
         .sql()
         .query_typed(
             "SELECT sp.key, COALESCE(s.value, sp.default_value), sp.default_value,
-                    sp.min_value, sp.max_value, sp.description
+                    sp.min_value, sp.max_value, sp.description, sp.kind
                FROM setting_spec sp LEFT JOIN setting s ON s.key = sp.key
               ORDER BY sp.key",
             &[],
@@ -40,6 +43,7 @@ pub async fn list(client: &impl Sql) -> Result<Vec<SettingRow>, DbError> {
             min_value: r.get(3),
             max_value: r.get(4),
             description: r.get(5),
+            kind: r.get(6),
         })
         .collect())
 }
