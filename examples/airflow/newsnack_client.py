@@ -54,6 +54,8 @@ MAX_WAIT_S = 86_400.0
 WAIT_MARGIN_S = 30.0
 
 OUTCOMES = ("all_pass", "timeout_pass", "skip")
+# The classes of LLM calls, first to last.
+PRIORITIES = ("briefing", "feed")
 
 
 class NewsnackError(Exception):
@@ -249,14 +251,22 @@ class NewsnackClient:
         _, body = self._call("POST", "/issues", {"issues": list(issues)}, expect=(201,))
         return list(body["ids"])
 
-    def claim(self, issue_ids: Sequence[int]) -> ClaimResult:
-        """``POST /ai-articles``. A 409 (nothing claimable: every id is in
-        progress elsewhere, DONE, or unknown) is returned as
+    def claim(self, issue_ids: Sequence[int], priority: str = "briefing") -> ClaimResult:
+        """``POST /ai-articles``. ``priority`` is the class the articles'
+        LLM calls wait in: ``"briefing"`` (the briefing's own articles,
+        first on every newsnack instance) or ``"feed"`` (extra articles,
+        written when no briefing article waits). A 409 (nothing claimable:
+        every id is in progress elsewhere, DONE, or unknown) is returned as
         ``ClaimResult(conflict=True)``, not raised: a wait on the same ids
         still decides correctly. Safe to send again."""
         ids = _check_ids("issue_ids", issue_ids)
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         status, body = self._call(
-            "POST", "/ai-articles", {"issue_ids": ids}, expect=(202, 409)
+            "POST",
+            "/ai-articles",
+            {"issue_ids": ids, "priority": priority},
+            expect=(202, 409),
         )
         return ClaimResult(
             claimed=list(body.get("claimed", [])),

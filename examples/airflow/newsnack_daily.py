@@ -184,7 +184,9 @@ def newsnack_daily():
     @task(retries=3)
     def request_articles(targets: list) -> dict:
         try:
-            claim = newsnack_client().claim(targets)
+            # The briefing's own articles: their LLM calls go before any
+            # feed article's, on every newsnack instance.
+            claim = newsnack_client().claim(targets, priority="briefing")
         except NewsnackError as e:
             # A repeated claim is harmless: what is already claimed is skipped.
             _fail_or_retry("request_articles", e, safe_to_repeat=True)

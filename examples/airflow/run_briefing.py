@@ -81,7 +81,7 @@ def run_once(
     report: dict = {"targets": targets, "claim": None, "wait": None, "briefing": None}
     step = "claim"
     try:
-        claim = client.claim(targets)
+        claim = client.claim(targets, priority="briefing")
         report["claim"] = claim.as_dict()
         step = "wait"
         wait = client.wait(targets, timeout_s=timeout_s, min_completion=min_completion)
