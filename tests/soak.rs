@@ -1,5 +1,6 @@
 //! The soak: three `serve` processes on one database, a fake LLM that
-//! fails at random (429 with `Retry-After`, 500, timeouts), issues fed
+//! fails at random (429, 500, timeouts; now and then a 429 with
+//! `Retry-After`, which pauses every instance), issues fed
 //! continuously, waits opened all along and the pipeline scheduler running,
 //! for `NEWSNACK_SOAK_SECS` seconds; then the audit of `tests/faults.rs`
 //! and a JSON report (throughput, wait latency, memory of each instance at
@@ -47,18 +48,32 @@ const WAIT_MIN_COMPLETION: usize = 3;
 struct Replies {
     ok: AtomicU64,
     rate_limited: AtomicU64,
+    paused: AtomicU64,
     server_error: AtomicU64,
     timeout: AtomicU64,
 }
+
+/// Of the answers, how many are a 429 with `Retry-After: 1`. Each pauses
+/// every instance's calls for a second (the account's quota is used up),
+/// so they are rare: this LLM fails at random, whatever the load, and a
+/// pause for one call in twenty would leave it idle most of the time.
+const PAUSING_SHARE: f64 = 0.002;
 
 impl Replies {
     /// One answer: mostly a good article after 30–200 ms, sometimes not.
     fn pick(&self) -> Reply {
         let roll: f64 = rand::random();
-        if roll < 0.06 {
+        if roll < PAUSING_SHARE {
+            self.paused.fetch_add(1, Ordering::Relaxed);
+            Reply::RateLimited { retry_after_s: 1 }
+        } else if roll < 0.06 {
+            // A request throttled on its own: no `Retry-After`.
             self.rate_limited.fetch_add(1, Ordering::Relaxed);
-            Reply::RateLimited {
-                retry_after_s: rand::random_range(1..=2),
+            Reply::Custom {
+                status: 429,
+                retry_after: None,
+                body: r#"{"error":{"message":"Rate limit reached","type":"rate_limit_exceeded"}}"#
+                    .into(),
             }
         } else if roll < 0.11 {
             self.server_error.fetch_add(1, Ordering::Relaxed);
@@ -82,6 +97,7 @@ impl Replies {
         json!({
             "ok": self.ok.load(Ordering::Relaxed),
             "rate_limited": self.rate_limited.load(Ordering::Relaxed),
+            "rate_limited_pausing": self.paused.load(Ordering::Relaxed),
             "server_error": self.server_error.load(Ordering::Relaxed),
             "timeout": self.timeout.load(Ordering::Relaxed),
         })
@@ -128,6 +144,9 @@ async fn soak() {
         ("content_gen_timeout_s", "10".into()),
         ("content_gen_min_completion", "3".into()),
         ("schedule", "every 15s".into()),
+        // As many calls at once as three instances made before the budget
+        // was shared.
+        ("llm_max_in_flight", "24".into()),
     ] {
         db.set(key, &value).await;
     }
