@@ -10,6 +10,7 @@ pub mod fake_llm;
 pub mod gate;
 pub mod pgbouncer;
 pub mod process;
+pub mod python;
 pub mod subscribers;
 pub mod tls;
 
