@@ -278,8 +278,9 @@ async fn set_triggers(client: &tokio_postgres::Client, which: &str, on: bool) {
         .unwrap();
 }
 
-/// Claims per second when `pgbench` runs the service's claim statement
-/// (`CLAIM_STATEMENT`, prepared) on fresh windows of [`CEILING_BATCH`] ids.
+/// Claims per second when `pgbench` runs the service's claim
+/// (`CLAIM_STATEMENT`, the call of `newsnack_claim`) on fresh windows of
+/// [`CEILING_BATCH`] ids.
 async fn claim_ceiling(
     cluster: &EmbeddedPostgres,
     client: &tokio_postgres::Client,
@@ -312,22 +313,18 @@ async fn claim_ceiling(
         ))
         .await
         .unwrap();
-    // The statement as the claimer sends it, its parameters bound in SQL:
+    // The claim as the claimer sends it, its parameters bound in SQL:
     // each transaction takes the next window of ids from a sequence.
     let window = format!(
-        "WITH window_ids AS MATERIALIZED (
-             SELECT array_agg(g) AS ids
-               FROM (SELECT nextval('bench_window') AS n) w,
-                    generate_series(w.n, w.n + {last}) g
-         ), claimable",
+        "(SELECT array_agg(g) FROM (SELECT nextval('bench_window') AS n) w, \
+          generate_series(w.n, w.n + {last}) g)",
         last = CEILING_BATCH - 1
     );
     let replacements = [
-        ("WITH claimable", window.as_str()),
-        ("$1::bigint[]", "(SELECT ids FROM window_ids)::bigint[]"),
+        ("$1", window.as_str()),
         ("$2", "'bench'"),
-        ("$3::float8", "60::float8"),
-        ("$4::integer", "NULL::integer"),
+        ("$3", "60"),
+        ("$4", "NULL"),
     ];
     let mut statement = newsnack::db::issue::CLAIM_STATEMENT.to_string();
     for (from, to) in replacements {
@@ -337,18 +334,16 @@ async fn claim_ceiling(
         );
         statement = statement.replace(from, to);
     }
-    let statement = format!(
-        "{};\n",
-        statement.split_whitespace().collect::<Vec<_>>().join(" ")
-    );
+    let statement = format!("{statement};\n");
     let script = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(script.path(), statement).unwrap();
     let tps = run_pgbench(
         cluster,
         &[
             "-n",
+            // Unnamed statements, as the service sends them.
             "-M",
-            "prepared",
+            "extended",
             "-f",
             script.path().to_str().unwrap(),
             "-c",

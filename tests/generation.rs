@@ -498,7 +498,7 @@ async fn claim_statements(db: &TestDb) -> i64 {
     db.scalar_i64(
         "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
           WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND query LIKE 'WITH claimable AS MATERIALIZED%'",
+            AND query LIKE '%FROM newsnack_claim(%'",
     )
     .await
 }

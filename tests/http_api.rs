@@ -1362,7 +1362,7 @@ async fn claim_path_statements(sql: &tokio_postgres::Client) -> (i64, i64) {
             "SELECT (SELECT COALESCE(sum(calls), 0)::bigint
                        FROM pg_stat_statements
                       WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-                        AND query LIKE '%claimable AS MATERIALIZED%'),
+                        AND query LIKE '%FROM newsnack_claim(%'),
                     (SELECT count(*) FROM issue_transition)",
             &[],
         )

@@ -92,6 +92,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "owner-run rules",
         sql: include_str!("../../sql/0015_owner_run_rules.sql"),
     },
+    Migration {
+        version: 16,
+        name: "statement plans",
+        sql: include_str!("../../sql/0016_statement_plans.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

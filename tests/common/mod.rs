@@ -447,6 +447,27 @@ pub async fn until_published(hub: &TransitionHub, seq: i64) {
 }
 
 /// Rows `statement` read from `table`, by scanning it or as entries of its
+/// indexes, whatever runs them (a function's own statements included): the
+/// server's counters for the transaction, run for real inside one that is
+/// rolled back.
+pub async fn rows_read_for_real(client: &Client, table: &str, statement: &str) -> i64 {
+    client.batch_execute("BEGIN").await.unwrap();
+    client.batch_execute(statement).await.unwrap();
+    let read: i64 = client
+        .query_one(
+            "SELECT (pg_stat_get_xact_tuples_returned(to_regclass($1))
+                     + (SELECT COALESCE(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)
+                          FROM pg_index WHERE indrelid = to_regclass($1)))::bigint",
+            &[&table],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    client.batch_execute("ROLLBACK").await.unwrap();
+    read
+}
+
+/// Rows `statement` read from `table`, by scanning it or as entries of its
 /// indexes, every loop counted: from `EXPLAIN (ANALYZE, FORMAT JSON)`, so
 /// run for real, inside a transaction that is rolled back.
 pub async fn rows_read(client: &Client, table: &str, statement: &str) -> f64 {
