@@ -75,7 +75,7 @@ async fn main() {
         .to_path_buf();
     cluster.shutdown();
 
-    let ways: [(&str, Box<dyn Fn(i64) -> String>); 3] = [
+    let ways: [(&str, ClaimText); 3] = [
         (
             "prepared_generic",
             Box::new(|id| format!("EXECUTE claim('{{{id}}}', 'bench', 60, NULL)")),
@@ -141,6 +141,9 @@ async fn main() {
         .await
         .unwrap();
 }
+
+/// The text of one claim of issue `id`, the way it is sent.
+type ClaimText<'a> = Box<dyn Fn(i64) -> String + 'a>;
 
 /// The statement of `newsnack_claim`'s body, with its variables as the
 /// numbered parameters of a prepared statement.
