@@ -14,15 +14,11 @@
 
 mod common;
 
-use common::{knob, round3};
+use common::{claim_rate, knob, round3, Path};
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use newsnack::claim::Claimer;
-use newsnack::db::issue::{ClaimScope, NewIssue};
-use newsnack::db::{self, DbPool, PoolOptions};
+use newsnack::db::{self, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 
 const CLIENTS: usize = 8;
@@ -91,8 +87,8 @@ async fn main() {
     let round = Duration::from_secs_f64(seconds as f64 / ROUNDS as f64);
     let (mut tls, mut plain_rate) = (0.0, 0.0);
     for _ in 0..ROUNDS {
-        tls += claim_rate(&tls_pool, round).await / ROUNDS as f64;
-        plain_rate += claim_rate(&plain_pool, round).await / ROUNDS as f64;
+        tls += claim_rate(&tls_pool, Path::Claimer, CLIENTS, round).await / ROUNDS as f64;
+        plain_rate += claim_rate(&plain_pool, Path::Claimer, CLIENTS, round).await / ROUNDS as f64;
     }
     let report = serde_json::json!({
         "benchmark": "claims per second over TLS and plain TCP",
@@ -111,53 +107,4 @@ async fn main() {
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();
-}
-
-/// Each client claims single issues of its own, one request per claim,
-/// through a `Claimer` on `pool`, for `duration`. Claims per second.
-async fn claim_rate(pool: &DbPool, duration: Duration) -> f64 {
-    let per_client = (duration.as_secs_f64() * 2_000.0).ceil() as usize + 1_000;
-    let issues: Vec<NewIssue> = (0..per_client * CLIENTS)
-        .map(|i| NewIssue {
-            title: format!("bench {i}"),
-            body: String::new(),
-            score: 0.0,
-            collected_at: None,
-        })
-        .collect();
-    let client = pool.get().await.unwrap();
-    let mut ids = Vec::new();
-    for chunk in issues.chunks(5000) {
-        ids.extend(db::issue::insert_issues(&client, chunk).await.unwrap());
-    }
-    drop(client);
-    let ids = Arc::new(ids);
-    let claims = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let claimer = Claimer::start(pool.clone(), "bench".into(), 2);
-    let lease = Duration::from_secs(60);
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for c in 0..CLIENTS {
-        let (ids, claims, stop, claimer) =
-            (ids.clone(), claims.clone(), stop.clone(), claimer.clone());
-        tasks.push(tokio::spawn(async move {
-            for &id in &ids[c * per_client..(c + 1) * per_client] {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let out = claimer
-                    .claim(vec![id], lease, ClaimScope::Claimable)
-                    .await
-                    .unwrap();
-                claims.fetch_add(out.claimed.len() as u64, Ordering::Relaxed);
-            }
-        }));
-    }
-    tokio::time::sleep(duration).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    claims.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
 }

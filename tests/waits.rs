@@ -135,14 +135,7 @@ async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip(
         .get(0);
     let admit = |allowed: bool| format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS {allowed}");
     // A database's own sessions cannot close it to new ones.
-    let (admin, connection) = db
-        .config
-        .clone()
-        .dbname("postgres")
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let admin = db.maintenance().await;
     admin.batch_execute(&admit(false)).await.unwrap();
     let mut status = hub.status();
     let pid = status

@@ -215,6 +215,21 @@ impl TestDb {
         client
     }
 
+    /// A session on the server's maintenance database, for what a
+    /// database's own sessions cannot do to it (close it to new sessions,
+    /// change its settings, cut its sessions).
+    pub async fn maintenance(&self) -> Client {
+        let (client, connection) = self
+            .config
+            .clone()
+            .dbname("postgres")
+            .connect(NoTls)
+            .await
+            .expect("connect to the maintenance database");
+        tokio::spawn(connection);
+        client
+    }
+
     /// Starts a listener; cancel the token to stop it.
     pub async fn listener(&self) -> (TransitionHub, CancellationToken) {
         self.listener_with(ListenerOptions::default()).await
