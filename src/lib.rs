@@ -10,7 +10,7 @@
 //! |---|---|
 //! | [`claim`] | claims with application-level group commit |
 //! | [`cli`] | the command line: parsing, one-shot commands, dispatch |
-//! | [`db`] | the pool, migrations, advisory lock keys, every SQL query |
+//! | [`db`] | connections (TLS, pooled and direct endpoints), the pool, migrations, roles, advisory lock keys, every SQL query |
 //! | [`done_issues`] | known-`DONE` ids that answer hopeless claims without SQL |
 //! | [`embedded`] | the throwaway PostgreSQL for the zero-config default |
 //! | [`group_commit`] | batching concurrent writes into shared transactions |
