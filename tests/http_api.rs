@@ -188,13 +188,18 @@ fn bad_inputs(pending: i64, done: i64) -> Vec<Bad> {
         ("issues: 1001 issues", "POST", "/issues".into(), JSON, body(json!({ "issues": many_issues })), 422),
         ("issues: blank title after a good one", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("fine"), issue(" \t\n ")] })), 422),
         ("issues: empty title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("")] })), 422),
-        ("issues: title over 1000 bytes", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue(&"t".repeat(1001))] })), 422),
-        ("issues: body over 100000 bytes", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "body": "b".repeat(100_001) }] })), 422),
+        ("issues: title over 1000 characters", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue(&"t".repeat(1001))] })), 422),
+        ("issues: title over 1000 two-byte characters", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue(&"é".repeat(1001))] })), 422),
+        ("issues: title of wide white space", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("\u{3000}\u{a0}\u{2028}")] })), 422),
+        ("issues: body over 100000 characters", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "body": "b".repeat(100_001) }] })), 422),
+        ("issues: NUL in body", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "body": "x\u{0}" }] })), 422),
         ("issues: NUL in title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("a\u{0}b")] })), 422),
         ("issues: lone surrogate in title", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"\\ud800\"}]}"), 400),
         ("issues: collected_at not RFC 3339", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "yesterday" }] })), 422),
         ("issues: collected_at in the year 10000 in UTC", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "9999-12-31T23:00:00-05:00" }] })), 422),
         ("issues: collected_at in the year 0", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "0000-06-01T00:00:00Z" }] })), 422),
+        ("issues: collected_at in the year 9999 as written", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "9999-01-01T00:00:00Z" }] })), 422),
+        ("issues: collected_at in the year 1 as written", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "0001-12-31T00:00:00Z" }] })), 422),
         ("issues: body over the 1 MiB limit", "POST", "/issues".into(), JSON, huge_issue, 413),
         // ---- GET /issues/{id}
         ("show: id abc", "GET", show("abc"), None, None, 400),
@@ -1097,6 +1102,69 @@ async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
         );
     }
     assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 4);
+}
+
+/// What the OpenAPI document allows is accepted: integers written as
+/// whole floats (JSON Schema counts `2.0` an integer), a title at its
+/// limit in characters however many bytes they take, a `collected_at` of
+/// `null`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_the_document_allows_are_accepted() {
+    let db = TestDb::new().await;
+    let service = db.serve("allowed", offline()).await;
+    let base = format!("http://{}", service.addr);
+    let http = reqwest::Client::new();
+
+    let title = "é".repeat(newsnack::input::MAX_TITLE_CHARS);
+    let (status, created) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/issues"),
+        JSON,
+        body(json!({ "issues": [{ "title": title, "collected_at": null, "score": 2 }] })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["ids"][0].as_i64().unwrap();
+
+    let as_float = || format!("{id}.0");
+    let (status, claimed) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/ai-articles"),
+        JSON,
+        raw(&format!("{{\"issue_ids\": [{}]}}", as_float())),
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{claimed}");
+    assert_eq!(claimed["claimed"], json!([id]));
+
+    let (status, waited) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/waits"),
+        JSON,
+        raw(&format!(
+            "{{\"issue_ids\": [{}], \"min_completion\": 1.0, \"timeout_s\": 60}}",
+            as_float()
+        )),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{waited}");
+    assert_eq!(waited["outcome"], json!("all_pass"));
+
+    let (status, assembled) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/today-newsnack"),
+        JSON,
+        raw(&format!("{{\"issue_ids\": [{}, {id}e0]}}", as_float())),
+    )
+    .await;
+    // The same id twice, spelled two ways: once in the briefing.
+    assert_eq!(status, StatusCode::CREATED, "{assembled}");
+    assert_eq!(assembled["issue_ids"], json!([id]));
+    service.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
