@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
-use common::{until_sql, within, TestDb};
+use common::{until_sql, until_sql_polled, within, TestDb};
 use newsnack::pipeline::Trigger;
 use newsnack::writer::OfflineWriter;
 
@@ -1102,6 +1102,7 @@ async fn a_scheduled_run_stopped_by_a_shutdown_publishes_what_was_done() {
 async fn a_tick_whose_lock_holder_records_no_run_is_run_by_another_instance() {
     use newsnack::db::advisory::{self, AdvisoryLock};
     let db = TestDb::new().await;
+    db.count_statements().await;
     scored_issues(&db, &[1.0, 2.0, 3.0]).await;
     let service = db.serve("second", Arc::new(OfflineWriter)).await;
     let holder = AdvisoryLock::try_acquire(&db.endpoint, advisory::PIPELINE, "first")
@@ -1118,10 +1119,17 @@ async fn a_tick_whose_lock_holder_records_no_run_is_run_by_another_instance() {
         &format!("{} {} {} * * *", tick.second(), tick.minute(), tick.hour()),
     )
     .await;
-    // The holder lets go a moment after the tick without recording a run
-    // (the test waits for time itself to pass, nothing else).
-    let after_tick = (tick + time::Duration::milliseconds(1500)) - time::OffsetDateTime::now_utc();
-    tokio::time::sleep(after_tick.try_into().unwrap_or_default()).await;
+    // The holder lets go without recording a run, once the service has met
+    // the tick with the lock held: it then looks for the tick's run (the
+    // statement below), which it runs only when it could not take the lock.
+    until_sql_polled(
+        &db,
+        30,
+        "SELECT COALESCE(sum(calls), 0) > 0 FROM pg_stat_statements
+          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND query LIKE 'SELECT EXISTS (SELECT % FROM pipeline_run WHERE trigger = % AND tick = %'",
+    )
+    .await;
     holder.release().await;
     // The run's outcome is recorded after its last transition, so this
     // looks at the table until it is there.

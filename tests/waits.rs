@@ -195,9 +195,18 @@ async fn a_bounded_read_waits_for_a_session_up_to_its_own_limit() {
             .await
         }
     });
-    // The session stays busy well past the pool's usual wait (the test
-    // waits for time itself to pass, nothing else).
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The read queues for the session...
+    within(10, "the bounded read to queue for the session", async {
+        while pool.status().waiting == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    // ... and is still waiting when a borrower that came after it has
+    // given up after the pool's usual wait.
+    let later = within(10, "a later borrower to give up", pool.get()).await;
+    assert!(later.is_err(), "the session is busy");
+    assert!(!read.is_finished(), "the bounded read waits on");
     drop(busy);
     let answer = within(20, "the bounded read", read).await.unwrap();
     assert_eq!(answer.unwrap(), 42);
