@@ -428,7 +428,7 @@ async fn the_deciding_raw_sql_commit_resolves_the_wait_without_any_query_in_betw
                 AND query NOT LIKE '%pg_stat_statements%'
                 AND query NOT LIKE 'SELECT pg_advisory_xact_lock%'
                 AND query NOT LIKE 'SELECT pg_notify%'
-                AND query NOT LIKE 'INSERT INTO issue_transition%'
+                AND query NOT LIKE 'INSERT INTO %issue_transition%'
                 AND {what} (query = '{}')",
             newsnack::db::transition::READ_AFTER.replace('\'', "''")
         )
