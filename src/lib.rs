@@ -23,6 +23,7 @@
 //! | [`tail`] | how the live tail prints a transition |
 //! | [`writer`] | the LLM client and the offline writer |
 //! | [`shutdown`] | the one shutdown signal |
+//! | [`logging`] | log output that a failing destination cannot break |
 
 pub mod api_types;
 pub mod briefing;
@@ -36,6 +37,7 @@ pub mod group_commit;
 pub mod http;
 pub mod input;
 pub mod listener;
+pub mod logging;
 pub mod machine;
 pub mod metrics;
 pub mod pipeline;

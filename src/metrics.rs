@@ -22,11 +22,13 @@
 //! | `newsnack_advisory_lock_held` | gauge | `lock` | advisory locks of that name this process holds (0 or 1) |
 //! | `newsnack_sse_clients` | gauge | | connected `GET /events` clients |
 //! | `newsnack_auth_rejections_total` | counter | | requests refused for a missing or wrong token |
+//! | `newsnack_log_lines_dropped_total` | counter | | log and status lines lost because their destination failed (a closed pipe, a full disk; see [`crate::logging`]) |
 //!
 //! Gauges that count something alive are driven by [`GaugeGuard`]s: the
 //! guard adds one when made and takes it away when dropped, on every exit
 //! path (an error, a panic, a cancelled task, a client that went away).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -49,6 +51,12 @@ const UNVERIFIED_NOTIFICATIONS: &str = "newsnack_listener_unverified_notificatio
 const ADVISORY_LOCK_HELD: &str = "newsnack_advisory_lock_held";
 const SSE_CLIENTS: &str = "newsnack_sse_clients";
 const AUTH_REJECTIONS: &str = "newsnack_auth_rejections_total";
+const LOG_LINES_DROPPED: &str = "newsnack_log_lines_dropped_total";
+
+/// Log lines dropped so far: counted here, where a failing log write can
+/// count without touching the recorder (which may itself log), and copied
+/// into the counter when rendered.
+static LOG_LINES_DROPPED_SO_FAR: AtomicU64 = AtomicU64::new(0);
 
 /// Histogram buckets (seconds) of a smart wait: up to the longest
 /// sensible `content_gen_timeout_s`.
@@ -139,6 +147,10 @@ fn describe_and_register() {
         AUTH_REJECTIONS,
         "Requests refused for a missing or wrong API token"
     );
+    describe_counter!(
+        LOG_LINES_DROPPED,
+        "Log and status lines lost because their destination failed (a closed pipe, a full disk)"
+    );
     for result in ["claimed", "skipped", "skipped_known_done"] {
         counter!(CLAIMS, "result" => result).increment(0);
     }
@@ -146,6 +158,7 @@ fn describe_and_register() {
     counter!(UNVERIFIED_NOTIFICATIONS).increment(0);
     counter!(COMPLETIONS_DEFERRED).increment(0);
     counter!(AUTH_REJECTIONS).increment(0);
+    counter!(LOG_LINES_DROPPED).increment(0);
     gauge!(GENERATIONS_IN_FLIGHT).increment(0.0);
     gauge!(SSE_CLIENTS).increment(0.0);
     for lock in ["lease-reaper", "pipeline"] {
@@ -156,9 +169,9 @@ fn describe_and_register() {
 /// Everything recorded so far, in the Prometheus text format
 /// ([`CONTENT_TYPE`]).
 pub fn render() -> Result<String, MetricsError> {
-    install()
-        .map(|handle| handle.render())
-        .map_err(Clone::clone)
+    let handle = install().map_err(Clone::clone)?;
+    counter!(LOG_LINES_DROPPED).absolute(LOG_LINES_DROPPED_SO_FAR.load(Ordering::Relaxed));
+    Ok(handle.render())
 }
 
 /// Adds one to a gauge while alive; takes it away again when dropped.
@@ -260,6 +273,12 @@ pub fn sse_client_connected() -> GaugeGuard {
 pub fn completion_deferred() {
     let _ = install();
     counter!(COMPLETIONS_DEFERRED).increment(1);
+}
+
+/// A log or status line could not be written (its destination failed).
+/// Touches nothing but an atomic: it is called from inside log writes.
+pub fn log_line_dropped() {
+    LOG_LINES_DROPPED_SO_FAR.fetch_add(1, Ordering::Relaxed);
 }
 
 /// A request was refused for a missing or wrong API token.
