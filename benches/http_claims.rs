@@ -33,10 +33,22 @@
 //! The bench process runs the in-process services and, on a runtime of
 //! their own, their clients, on the same cores as PostgreSQL, so the HTTP
 //! figures include the clients' cost.
+//! 5. **pool pressure**: a service with a pool of 4 sessions and 40
+//!    issues; a burst of 200 requests at once (reads, adds, claims and
+//!    one-second waits, in turn): how many queued and were served, how
+//!    many were turned away with 503, and how long answers took. Then
+//!    another session locks the `issue` table and 24 reads come: how long
+//!    the 503s of those beyond the pool took (the pool's wait, 5 s), and
+//!    whether any read was answered 200 before the lock went. (The fault
+//!    test `an_exhausted_pool_queues_or_answers_503_and_never_hangs` checks
+//!    the answers themselves; these are the timings it leaves to the
+//!    machine.)
+//!
 //! `BENCH_DURABLE=0` turns fsync off. `BENCH_ONLY` (comma-separated:
 //! `idle`, `seeds`, `seeds_paced`, `seeds_together`, `seeds_together_paced`,
-//! `direct`, `direct_claimer`, `e2e`) runs just those phases; the others
-//! and their targets report null. Runs in well under three minutes.
+//! `direct`, `direct_claimer`, `e2e`, `pool_pressure`) runs just those
+//! phases; the others and their targets report null. Runs in well under
+//! three minutes.
 
 mod common;
 
@@ -102,6 +114,7 @@ async fn main() {
         "direct",
         "direct_claimer",
         "e2e",
+        "pool_pressure",
     ]
     .into_iter()
     .filter(|name| wanted(name))
@@ -143,6 +156,10 @@ async fn main() {
         true => Some(two_instances(&cluster.url("e2e"), e2e_issues, clients, e2e_batch).await),
         false => None,
     };
+    let pressure = match wanted("pool_pressure") {
+        true => Some(pool_pressure(&cluster.url("pool_pressure")).await),
+        false => None,
+    };
 
     let unique_violations = server_log
         .and_then(|p| std::fs::read_to_string(p).ok())
@@ -180,6 +197,7 @@ async fn main() {
         "seeds_workload_http_together_paced": together_paced,
         "direct_claims": { "claim_issues": direct, "claimer_group_commit": grouped },
         "end_to_end_two_instances": e2e,
+        "pool_pressure": pressure,
         "unique_violations_in_server_log": unique_violations,
         "total_seconds": round1(started.elapsed().as_secs_f64()),
         "targets": {
@@ -274,6 +292,176 @@ async fn idle_rss(url: &str, idle: Duration) -> serde_json::Value {
             &std::fs::read_to_string("/proc/self/status").unwrap_or_default(),
             "VmRSS:"
         ).map(kb_to_mb),
+    })
+}
+
+/// Phase 5: a pool of 4 under a burst, then under a locked table.
+async fn pool_pressure(url: &str) -> serde_json::Value {
+    const POOL: usize = 4;
+    const BURST: usize = 200;
+    const READS: usize = 24;
+    let service = newsnack::serve::start(
+        ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            database_url: Some(url.into()),
+            direct_database_url: None,
+            instance: "pool-pressure".into(),
+            pool_size: POOL,
+            grace: Duration::from_secs(5),
+            api_token: None,
+            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
+        },
+        Arc::new(OfflineWriter) as SharedWriter,
+    )
+    .await
+    .expect("start the service");
+    let sql = connect(url).await;
+    let ids: Vec<i64> = sql
+        .query(
+            "INSERT INTO issue (title) SELECT 'pressure ' || g FROM generate_series(1, 40) g RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let base = format!("http://{}", service.addr);
+    let http = reqwest::Client::new();
+
+    // The burst: every request at once; each answer with how long it took.
+    let burst_started = Instant::now();
+    let answers = futures::future::join_all((0..BURST).map(|n| {
+        let (http, base, id) = (http.clone(), base.clone(), ids[n % ids.len()]);
+        async move {
+            let request = match n % 4 {
+                0 => http.get(format!("{base}/issues/{id}")),
+                1 => http
+                    .post(format!("{base}/issues"))
+                    .json(&json!({"issues": [{"title": format!("burst {n}")}]})),
+                2 => http
+                    .post(format!("{base}/ai-articles"))
+                    .json(&json!({"issue_ids": [id]})),
+                _ => http
+                    .post(format!("{base}/waits"))
+                    .json(&json!({"issue_ids": [id], "timeout_s": 1, "min_completion": 0})),
+            };
+            let started = Instant::now();
+            let status = request.send().await.unwrap().status().as_u16();
+            (status, started.elapsed().as_secs_f64() * 1000.0)
+        }
+    }))
+    .await;
+    let burst_seconds = burst_started.elapsed().as_secs_f64();
+    let turned_away = answers.iter().filter(|(s, _)| *s == 503).count();
+    let mut served_ms: Vec<f64> = answers
+        .iter()
+        .filter(|(s, _)| *s != 503)
+        .map(|(_, ms)| *ms)
+        .collect();
+    served_ms.sort_by(f64::total_cmp);
+    let mut refused_ms: Vec<f64> = answers
+        .iter()
+        .filter(|(s, _)| *s == 503)
+        .map(|(_, ms)| *ms)
+        .collect();
+    refused_ms.sort_by(f64::total_cmp);
+    let mut statuses: HashMap<u16, usize> = HashMap::new();
+    for (status, _) in &answers {
+        *statuses.entry(*status).or_default() += 1;
+    }
+    // Let the claims of the burst finish before the table is locked.
+    for _ in 0..600 {
+        let in_progress: i64 = sql
+            .query_one(
+                "SELECT count(*) FROM issue WHERE processing_status = 'IN_PROGRESS'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if in_progress == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The table locked: reads beyond the pool give up after its wait.
+    let mut locker = connect(url).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE issue IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let locked_at = Instant::now();
+    let (answers_tx, mut answers_rx) = tokio::sync::mpsc::unbounded_channel();
+    for &id in ids.iter().take(READS) {
+        let (http, url, answers) = (
+            http.clone(),
+            format!("{base}/issues/{id}"),
+            answers_tx.clone(),
+        );
+        tokio::spawn(async move {
+            let status = http.get(&url).send().await.unwrap().status().as_u16();
+            let _ = answers.send((status, locked_at.elapsed().as_secs_f64() * 1000.0));
+        });
+    }
+    drop(answers_tx);
+    let mut while_locked = Vec::new();
+    while while_locked.iter().filter(|(s, _)| *s == 503).count() < READS - POOL {
+        match tokio::time::timeout(Duration::from_secs(60), answers_rx.recv()).await {
+            Ok(Some(answer)) => while_locked.push(answer),
+            _ => break,
+        }
+    }
+    let held_ms = locked_at.elapsed().as_secs_f64() * 1000.0;
+    lock.commit().await.unwrap();
+    let mut after_unlock = Vec::new();
+    while let Ok(Some(answer)) =
+        tokio::time::timeout(Duration::from_secs(60), answers_rx.recv()).await
+    {
+        after_unlock.push(answer);
+    }
+    let mut lock_refused_ms: Vec<f64> = while_locked
+        .iter()
+        .chain(&after_unlock)
+        .filter(|(s, _)| *s == 503)
+        .map(|(_, ms)| *ms)
+        .collect();
+    lock_refused_ms.sort_by(f64::total_cmp);
+    let mut unblocked_ms: Vec<f64> = after_unlock
+        .iter()
+        .filter(|(s, _)| *s == 200)
+        .map(|(_, ms)| *ms)
+        .collect();
+    unblocked_ms.sort_by(f64::total_cmp);
+    service.stop().await.unwrap();
+    json!({
+        "what": "a service with a pool of 4: a burst of 200 requests, then 24 reads while another session locks the issue table",
+        "burst": {
+            "requests": BURST,
+            "statuses": statuses.iter().map(|(s, n)| (s.to_string(), json!(n))).collect::<serde_json::Map<_, _>>(),
+            "served": BURST - turned_away,
+            "turned_away_503": turned_away,
+            "seconds": round3(burst_seconds),
+            "served_ms": { "p50": percentile(&served_ms, 0.5), "max": served_ms.last().copied().map(round3) },
+            "turned_away_ms": { "p50": percentile(&refused_ms, 0.5), "max": refused_ms.last().copied().map(round3) },
+        },
+        "locked_table": {
+            "reads": READS,
+            "turned_away_503": lock_refused_ms.len(),
+            "turned_away_ms": {
+                "what": "from the lock to each 503 (the pool's wait is 5 s)",
+                "p50": percentile(&lock_refused_ms, 0.5),
+                "max": lock_refused_ms.last().copied().map(round3),
+            },
+            "answered_200_while_locked": while_locked.iter().filter(|(s, _)| *s == 200).count(),
+            "lock_held_ms": round3(held_ms),
+            "served_after_unlock_ms": {
+                "what": "from the lock to each 200, all after it went",
+                "min": unblocked_ms.first().copied().map(round3),
+                "max": unblocked_ms.last().copied().map(round3),
+            },
+        },
     })
 }
 

@@ -39,6 +39,15 @@
 //! side gives them, so the clients spend as little CPU as possible while
 //! the service is measured.
 //!
+//! Last, `huge_commit`: one commit of `BENCH_SSE_HUGE` (default 60,000)
+//! transitions, as a bulk change by another system makes, read by one
+//! client that starts reading only once the listener has published all of
+//! it: how long the read took and whether the stream dropped the client.
+//! A client far behind is dropped only once what it is about to be sent
+//! was published more than `MAX_DELAY` (10 s) ago, so the read time is
+//! the margin a machine leaves (`tests/events.rs` checks the client is not
+//! dropped; the time is measured here).
+//!
 //! `cargo bench --bench sse`; about 15 s. Clients, service and PostgreSQL
 //! share the machine's cores; the report carries the load average at the
 //! start, since anything else running skews the latencies.
@@ -335,6 +344,14 @@ async fn bench() {
     let client_report: serde_json::Value = serde_json::from_str(&line).unwrap();
     let _ = child.wait().await;
 
+    let huge = huge_commit(
+        &format!("http://{}/events", service.addr),
+        &service.hub,
+        &writer,
+        knob("BENCH_SSE_HUGE", 60_000) as i32,
+    )
+    .await;
+
     commit_us.sort_unstable();
     let p99_ms = |figure: &str| client_report[figure]["p99"].as_f64().unwrap_or(f64::MAX);
     let rate_achieved = committed as f64 / write_seconds;
@@ -392,6 +409,7 @@ async fn bench() {
             "per_client_open": round1(growth_open as f64 / clients as f64),
         },
         "client_process_rss_kib": client_report["rss_kib"],
+        "huge_commit": huge,
         "total_seconds": round1(started.elapsed().as_secs_f64()),
         "targets": {
             "rss_growth_for_200_clients_at_most_20_mb": growth_open <= 20 * 1024,
@@ -817,6 +835,68 @@ fn spawn_on_own_thread<T: Send + 'static>(
 }
 
 /// Waits until the listener has published `seq`.
+/// One commit of `n` new issues (`n` transitions), read through `events`
+/// by one client from once all of it is published (see the module docs).
+async fn huge_commit(
+    events: &str,
+    hub: &newsnack::listener::TransitionHub,
+    writer: &tokio_postgres::Client,
+    n: i32,
+) -> serde_json::Value {
+    let mut stream = reqwest::Client::new().get(events).send().await.unwrap();
+    writer
+        .execute(
+            "INSERT INTO issue (title) SELECT 'bulk ' || g FROM generate_series(1, $1::int) g",
+            &[&n],
+        )
+        .await
+        .unwrap();
+    let last: i64 = writer
+        .query_one("SELECT max(seq) FROM issue_transition", &[])
+        .await
+        .unwrap()
+        .get(0);
+    until_published(hub, last).await;
+    let last_id = format!("id: {last}").into_bytes();
+    let reading = Instant::now();
+    let (mut received, mut dropped, mut in_last, mut done) = (0u64, false, false, false);
+    let mut line = Vec::new();
+    while !done {
+        let Some(chunk) = tokio::time::timeout(Duration::from_secs(120), stream.chunk())
+            .await
+            .expect("the stream to go on")
+            .unwrap()
+        else {
+            break;
+        };
+        for &byte in chunk.iter() {
+            if byte != b'\n' {
+                line.push(byte);
+                continue;
+            }
+            match line.as_slice() {
+                b"event: transition" => received += 1,
+                b"event: dropped" => dropped = true,
+                // The blank line that ends the last event, or the dropped one.
+                b"" if in_last || dropped => done = true,
+                id if id == last_id.as_slice() => in_last = true,
+                _ => {}
+            }
+            line.clear();
+        }
+    }
+    let seconds = reading.elapsed().as_secs_f64();
+    json!({
+        "what": "one commit of this many transitions, read by one client from once it was all published",
+        "transitions": n,
+        "received": received,
+        "read_seconds": round3(seconds),
+        "events_per_s": round1(received as f64 / seconds),
+        "dropped": dropped,
+        "max_delay_s": newsnack::http::events::MAX_DELAY.as_secs(),
+    })
+}
+
 async fn until_published(hub: &newsnack::listener::TransitionHub, seq: i64) {
     let mut status = hub.status();
     tokio::time::timeout(

@@ -22,16 +22,12 @@
 
 mod common;
 
-use common::{connect, round3};
+use common::{claim_rate, connect, round3, Path};
 
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use newsnack::claim::Claimer;
-use newsnack::db::issue::{claim_issues, ClaimScope, NewIssue};
-use newsnack::db::{self, DbPool, PoolOptions};
+use newsnack::db::{self, PoolOptions};
 use newsnack::embedded::{find_bin_dir, EmbeddedOptions, EmbeddedPostgres};
 
 const CLIENTS: usize = 8;
@@ -83,11 +79,11 @@ async fn main() {
     let round_length = Duration::from_secs_f64(seconds as f64 / ROUNDS as f64);
     let (mut on, mut direct_on, mut off, mut direct_off) = (0.0, 0.0, 0.0, 0.0);
     for _ in 0..ROUNDS {
-        on += claim_rate(&pool, Path::Claimer, round_length).await / ROUNDS as f64;
-        direct_on += claim_rate(&pool, Path::Direct, round_length).await / ROUNDS as f64;
+        on += claim_rate(&pool, Path::Claimer, CLIENTS, round_length).await / ROUNDS as f64;
+        direct_on += claim_rate(&pool, Path::Direct, CLIENTS, round_length).await / ROUNDS as f64;
         set_triggers(&migrator, "USER", false).await;
-        off += claim_rate(&pool, Path::Claimer, round_length).await / ROUNDS as f64;
-        direct_off += claim_rate(&pool, Path::Direct, round_length).await / ROUNDS as f64;
+        off += claim_rate(&pool, Path::Claimer, CLIENTS, round_length).await / ROUNDS as f64;
+        direct_off += claim_rate(&pool, Path::Direct, CLIENTS, round_length).await / ROUNDS as f64;
         set_triggers(&migrator, "USER", true).await;
     }
     let pgbench = pgbench_tps(&cluster, seconds);
@@ -131,81 +127,6 @@ async fn main() {
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();
-}
-
-#[derive(Clone, Copy)]
-enum Path {
-    /// Through the service's batching claimer.
-    Claimer,
-    /// The bare statement, one transaction per claim.
-    Direct,
-}
-
-/// Each client claims single issues from its own slice, one request per
-/// claim, for `duration`. Returns claims per second.
-async fn claim_rate(pool: &DbPool, path: Path, duration: Duration) -> f64 {
-    // More than a client can claim in `duration` (about 1,000/s at most).
-    let per_client = (duration.as_secs_f64() * 2_000.0).ceil() as usize + 1_000;
-    let client = pool.get().await.unwrap();
-    let issues: Vec<NewIssue> = (0..per_client * CLIENTS)
-        .map(|i| NewIssue {
-            title: format!("bench {i}"),
-            body: String::new(),
-            score: 0.0,
-            collected_at: None,
-        })
-        .collect();
-    let mut ids = Vec::new();
-    for chunk in issues.chunks(5000) {
-        ids.extend(
-            newsnack::db::issue::insert_issues(&client, chunk)
-                .await
-                .unwrap(),
-        );
-    }
-    drop(client);
-    let ids = Arc::new(ids);
-    let claims = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let claimer = Claimer::start(pool.clone(), "bench".into(), 2);
-    let lease = Duration::from_secs(60);
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for c in 0..CLIENTS {
-        let (pool, ids, claims, stop, claimer) = (
-            pool.clone(),
-            ids.clone(),
-            claims.clone(),
-            stop.clone(),
-            claimer.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            for &id in &ids[c * per_client..(c + 1) * per_client] {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let out = match path {
-                    Path::Claimer => claimer
-                        .claim(vec![id], lease, ClaimScope::Claimable)
-                        .await
-                        .unwrap(),
-                    Path::Direct => {
-                        let client = pool.get().await.unwrap();
-                        claim_issues(&client, &[id], "bench", lease, ClaimScope::Claimable)
-                            .await
-                            .unwrap()
-                    }
-                };
-                claims.fetch_add(out.claimed.len() as u64, Ordering::Relaxed);
-            }
-        }));
-    }
-    tokio::time::sleep(duration).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    claims.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
 }
 
 fn pgbench_tps(cluster: &EmbeddedPostgres, seconds: u64) -> f64 {
@@ -278,8 +199,9 @@ async fn set_triggers(client: &tokio_postgres::Client, which: &str, on: bool) {
         .unwrap();
 }
 
-/// Claims per second when `pgbench` runs the service's claim statement
-/// (`CLAIM_STATEMENT`, prepared) on fresh windows of [`CEILING_BATCH`] ids.
+/// Claims per second when `pgbench` runs the service's claim
+/// (`CLAIM_STATEMENT`, the call of `newsnack_claim`) on fresh windows of
+/// [`CEILING_BATCH`] ids.
 async fn claim_ceiling(
     cluster: &EmbeddedPostgres,
     client: &tokio_postgres::Client,
@@ -312,22 +234,18 @@ async fn claim_ceiling(
         ))
         .await
         .unwrap();
-    // The statement as the claimer sends it, its parameters bound in SQL:
+    // The claim as the claimer sends it, its parameters bound in SQL:
     // each transaction takes the next window of ids from a sequence.
     let window = format!(
-        "WITH window_ids AS MATERIALIZED (
-             SELECT array_agg(g) AS ids
-               FROM (SELECT nextval('bench_window') AS n) w,
-                    generate_series(w.n, w.n + {last}) g
-         ), claimable",
+        "(SELECT array_agg(g) FROM (SELECT nextval('bench_window') AS n) w, \
+          generate_series(w.n, w.n + {last}) g)",
         last = CEILING_BATCH - 1
     );
     let replacements = [
-        ("WITH claimable", window.as_str()),
-        ("$1::bigint[]", "(SELECT ids FROM window_ids)::bigint[]"),
+        ("$1", window.as_str()),
         ("$2", "'bench'"),
-        ("$3::float8", "60::float8"),
-        ("$4::integer", "NULL::integer"),
+        ("$3", "60"),
+        ("$4", "NULL"),
     ];
     let mut statement = newsnack::db::issue::CLAIM_STATEMENT.to_string();
     for (from, to) in replacements {
@@ -337,18 +255,16 @@ async fn claim_ceiling(
         );
         statement = statement.replace(from, to);
     }
-    let statement = format!(
-        "{};\n",
-        statement.split_whitespace().collect::<Vec<_>>().join(" ")
-    );
+    let statement = format!("{statement};\n");
     let script = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(script.path(), statement).unwrap();
     let tps = run_pgbench(
         cluster,
         &[
             "-n",
+            // Unnamed statements, as the service sends them.
             "-M",
-            "prepared",
+            "extended",
             "-f",
             script.path().to_str().unwrap(),
             "-c",

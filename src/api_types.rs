@@ -1,6 +1,10 @@
-//! JSON shapes shared by the HTTP API and the CLI's file input.
+//! JSON shapes of the HTTP API (new issues are also the CLI's file input):
+//! what clients send and the answers they get. Integers in requests
+//! follow JSON Schema, which counts `2.0` an integer: a whole number
+//! written with a fraction or an exponent is taken as that integer
+//! ([`whole_ids`], [`whole_option`]).
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer, Serialize};
 use time::OffsetDateTime;
 
 use crate::db::issue::NewIssue;
@@ -9,12 +13,16 @@ use crate::db::issue::NewIssue;
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewIssueJson {
+    #[schema(schema_with = crate::http::openapi::title_schema)]
     pub title: String,
     #[serde(default)]
+    #[schema(schema_with = crate::http::openapi::body_schema)]
     pub body: String,
+    /// Hotness, for the pipeline's top-K selection.
     #[serde(default)]
     pub score: f64,
     #[serde(default, with = "time::serde::rfc3339::option")]
+    #[schema(schema_with = crate::http::openapi::collected_at_schema)]
     pub collected_at: Option<OffsetDateTime>,
 }
 
@@ -25,6 +33,112 @@ impl From<NewIssueJson> for NewIssue {
             body: j.body,
             score: j.score,
             collected_at: j.collected_at,
+        }
+    }
+}
+
+/// The ids of issues just added, in the order they were sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct AddedIssues {
+    pub ids: Vec<i64>,
+}
+
+/// What a claim did with the ids it was asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct ClaimAnswer {
+    /// Claimed now, generated in the background.
+    pub claimed: Vec<i64>,
+    /// Not claimable: in progress, done, or unknown (sorted, once each).
+    pub skipped: Vec<i64>,
+}
+
+/// An integer as JSON Schema counts one: `7`, or a number with no
+/// fractional part such as `7.0` or `7e0`, within `i64`.
+struct Whole(i64);
+
+impl<'de> Deserialize<'de> for Whole {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Whole;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an integer")
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Whole, E> {
+                Ok(Whole(n))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Whole, E> {
+                i64::try_from(n)
+                    .map(Whole)
+                    .map_err(|_| E::custom(format!("{n} is beyond the largest integer taken")))
+            }
+
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<Whole, E> {
+                // -2^63 <= n < 2^63: exactly the f64 values that fit in i64.
+                const BOUND: f64 = 9_223_372_036_854_775_808.0;
+                if n.fract() == 0.0 && (-BOUND..BOUND).contains(&n) {
+                    Ok(Whole(n as i64))
+                } else {
+                    Err(E::custom(format!("expected an integer, got {n}")))
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// Deserializes a list of integers, each as JSON Schema counts one.
+pub fn whole_ids<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<i64>, D::Error> {
+    let ids = Vec::<Whole>::deserialize(deserializer)?;
+    Ok(ids.into_iter().map(|Whole(n)| n).collect())
+}
+
+/// Deserializes an optional integer (absent or `null`: `None`), as JSON
+/// Schema counts one. Use with `#[serde(default)]`.
+pub fn whole_option<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<i64>, D::Error> {
+    Ok(Option::<Whole>::deserialize(deserializer)?.map(|Whole(n)| n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Deserialize)]
+    struct Ids {
+        #[serde(deserialize_with = "whole_ids")]
+        ids: Vec<i64>,
+        #[serde(default, deserialize_with = "whole_option")]
+        n: Option<i64>,
+    }
+
+    fn parse(json: &str) -> Result<Ids, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
+    #[test]
+    fn whole_numbers_in_any_spelling_are_integers() {
+        let ids = parse(r#"{"ids": [2, 2.0, 3e0, -4.0, 9223372036854775807], "n": 20.0}"#).unwrap();
+        assert_eq!(ids.ids, [2, 2, 3, -4, i64::MAX]);
+        assert_eq!(ids.n, Some(20));
+        assert_eq!(parse(r#"{"ids": [], "n": null}"#).unwrap().n, None);
+        assert_eq!(parse(r#"{"ids": []}"#).unwrap().n, None);
+    }
+
+    #[test]
+    fn fractions_and_out_of_range_numbers_are_refused() {
+        for bad in [
+            r#"{"ids": [1.5]}"#,
+            r#"{"ids": [9223372036854775808]}"#,
+            r#"{"ids": [9.3e18]}"#,
+            r#"{"ids": ["1"]}"#,
+            r#"{"ids": [1], "n": 0.5}"#,
+            r#"{"ids": [1], "n": true}"#,
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.is_data(), "{bad}: {e}");
         }
     }
 }

@@ -18,7 +18,7 @@ use crate::input::{self, InvalidInput};
 use crate::settings::{SettingError, Settings};
 use crate::status::Status;
 
-/// The default of the `briefing_title` setting (migration 16 holds the
+/// The default of the `briefing_title` setting (migration 17 holds the
 /// same text).
 pub const DEFAULT_TITLE: &str = "newsnack — {date}";
 

@@ -347,13 +347,15 @@ async fn serve(
     let signalled = CancellationToken::new();
     crate::shutdown::cancel_on_signal(signalled.clone());
     let service = crate::serve::start(options, writer).await?;
+    // Status lines, like the logs, are lost rather than fatal when stdout
+    // fails (a closed pipe, a full disk).
     if embedded {
-        println!(
+        crate::logging::print_line(format_args!(
             "database: {} (throwaway, deleted on exit)",
             service.database_url
-        );
+        ));
     }
-    println!("newsnack serving on http://{}", service.addr);
+    crate::logging::print_line(format_args!("newsnack serving on http://{}", service.addr));
     let stop = service.shutdown_token();
     tokio::spawn(async move {
         signalled.cancelled().await;
@@ -384,10 +386,10 @@ async fn tail(database: &db::Database, args: TailArgs) -> Result<ExitCode, CliEr
     let hub = listen(database, pool, &shutdown).await?;
     let start = hub.starting_point(args.since).await;
     if let Some(requested) = start.beyond_log {
-        eprintln!(
+        crate::logging::eprint_line(format_args!(
             "newsnack: the log has no transition at seq {requested} (it ends at {}); following from its end",
             start.after
-        );
+        ));
     }
     let mut stream = hub.stream_after(start.after, args.issue);
     let style = if args.json {

@@ -8,9 +8,14 @@ use crate::db::issue::NewIssue;
 pub const MAX_IDS: usize = 1000;
 /// The most issues one request may add.
 pub const MAX_NEW_ISSUES: usize = 1000;
-/// Longest accepted title and body, in bytes.
-pub const MAX_TITLE_BYTES: usize = 1_000;
-pub const MAX_BODY_BYTES: usize = 100_000;
+/// Longest accepted title and body, in characters (Unicode code points,
+/// as JSON Schema's `maxLength` counts them).
+pub const MAX_TITLE_CHARS: usize = 1_000;
+pub const MAX_BODY_CHARS: usize = 100_000;
+/// The years a `collected_at` may name, as written: any offset then keeps
+/// it within the years 1 to 9999 in UTC, which the service can store and
+/// read back.
+pub const COLLECTED_YEARS: std::ops::RangeInclusive<i32> = 2..=9998;
 
 /// A request that cannot be carried out as given.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -47,8 +52,10 @@ pub fn check_ids(field: &'static str, ids: &[i64]) -> Result<(), InvalidInput> {
     Ok(())
 }
 
-/// Checks new issues: 1 to [`MAX_NEW_ISSUES`], each with a non-blank title,
-/// sizes within bounds and a finite score.
+/// Checks new issues: 1 to [`MAX_NEW_ISSUES`], each with a title that is
+/// not blank (it has a character other than white space, as
+/// [`char::is_whitespace`] has it), sizes within bounds, no NUL
+/// character, a finite score and a `collected_at` in [`COLLECTED_YEARS`].
 pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
     if issues.is_empty() {
         return Err(InvalidInput::Empty { field: "issues" });
@@ -61,19 +68,19 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
         });
     }
     for (i, issue) in issues.iter().enumerate() {
-        if issue.title.trim().is_empty() {
+        if issue.title.chars().all(char::is_whitespace) {
             return Err(InvalidInput::Bad(format!(
                 "issues[{i}].title must not be blank"
             )));
         }
-        if issue.title.len() > MAX_TITLE_BYTES {
+        if issue.title.chars().count() > MAX_TITLE_CHARS {
             return Err(InvalidInput::Bad(format!(
-                "issues[{i}].title is longer than {MAX_TITLE_BYTES} bytes"
+                "issues[{i}].title is longer than {MAX_TITLE_CHARS} characters"
             )));
         }
-        if issue.body.len() > MAX_BODY_BYTES {
+        if issue.body.chars().count() > MAX_BODY_CHARS {
             return Err(InvalidInput::Bad(format!(
-                "issues[{i}].body is longer than {MAX_BODY_BYTES} bytes"
+                "issues[{i}].body is longer than {MAX_BODY_CHARS} characters"
             )));
         }
         if !issue.score.is_finite() {
@@ -82,9 +89,11 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
             )));
         }
         if let Some(at) = issue.collected_at {
-            if !collected_at_in_range(at) {
+            if !COLLECTED_YEARS.contains(&at.year()) {
                 return Err(InvalidInput::Bad(format!(
-                    "issues[{i}].collected_at must fall between the years 1 and 9999 in UTC"
+                    "issues[{i}].collected_at must name a year from {} to {}",
+                    COLLECTED_YEARS.start(),
+                    COLLECTED_YEARS.end()
                 )));
             }
         }
@@ -95,14 +104,6 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
         }
     }
     Ok(())
-}
-
-/// Whether a `collected_at` can be stored and read back: its UTC date must
-/// be a year from 1 to 9999 (`9999-12-31T23:00:00-05:00` is already in the
-/// year 10000 in UTC, which the database would store but not hand back).
-fn collected_at_in_range(at: time::OffsetDateTime) -> bool {
-    at.checked_to_offset(time::UtcOffset::UTC)
-        .is_some_and(|utc| (1..=9999).contains(&utc.year()))
 }
 
 #[cfg(test)]
@@ -148,7 +149,21 @@ mod tests {
     }
 
     #[test]
-    fn collected_at_must_read_back() {
+    fn limits_count_characters_and_blank_is_white_space_only() {
+        let long = |c: char, n: usize| check_new_issues(&[issue(&c.to_string().repeat(n), 0.0)]);
+        assert!(
+            long('é', MAX_TITLE_CHARS).is_ok(),
+            "2,000 bytes, 1,000 characters"
+        );
+        assert!(long('é', MAX_TITLE_CHARS + 1).is_err());
+        assert!(check_new_issues(&[issue("\u{3000}\u{a0}\t", 0.0)]).is_err());
+        // Not white space, though some regular expression engines say so.
+        assert!(check_new_issues(&[issue("\u{1c}", 0.0)]).is_ok());
+        assert!(check_new_issues(&[issue("\u{200b}", 0.0)]).is_ok());
+    }
+
+    #[test]
+    fn collected_at_names_a_year_that_reads_back() {
         use time::macros::datetime;
         let at = |collected_at| {
             check_new_issues(&[NewIssue {
@@ -157,16 +172,10 @@ mod tests {
             }])
         };
         assert!(at(datetime!(2026-11-30 08:00 UTC)).is_ok());
-        assert!(at(datetime!(9999-12-31 18:00 -05:00)).is_ok());
-        assert!(at(datetime!(0001-01-01 00:00 UTC)).is_ok());
-        assert!(
-            at(datetime!(9999-12-31 23:00 -05:00)).is_err(),
-            "year 10000 in UTC"
-        );
-        assert!(
-            at(datetime!(0001-01-01 00:30 +01:00)).is_err(),
-            "year 0 in UTC"
-        );
+        assert!(at(datetime!(9998-12-31 23:59 -23:59)).is_ok());
+        assert!(at(datetime!(0002-01-01 00:00 +23:59)).is_ok());
+        assert!(at(datetime!(9999-01-01 00:00 UTC)).is_err());
+        assert!(at(datetime!(0001-12-31 00:00 UTC)).is_err());
         assert!(at(datetime!(0000-06-01 00:00 UTC)).is_err());
     }
 }

@@ -10,7 +10,7 @@
 //! |---|---|
 //! | [`claim`] | claims with application-level group commit |
 //! | [`cli`] | the command line: parsing, one-shot commands, dispatch |
-//! | [`db`] | the pool, migrations, advisory lock keys, every SQL query |
+//! | [`db`] | connections (TLS, pooled and direct endpoints), the pool, migrations, roles, advisory lock keys, every SQL query |
 //! | [`done_issues`] | known-`DONE` ids that answer hopeless claims without SQL |
 //! | [`embedded`] | the throwaway PostgreSQL for the zero-config default |
 //! | [`group_commit`] | batching concurrent writes into shared transactions |
@@ -24,6 +24,7 @@
 //! | [`tail`] | how the live tail prints a transition |
 //! | [`writer`] | the LLM client and the offline writer |
 //! | [`shutdown`] | the one shutdown signal |
+//! | [`logging`] | log output that a failing destination cannot break |
 
 pub mod api_types;
 pub mod briefing;
@@ -38,6 +39,7 @@ pub mod http;
 pub mod input;
 pub mod listener;
 pub mod llm_budget;
+pub mod logging;
 pub mod machine;
 pub mod metrics;
 pub mod pipeline;

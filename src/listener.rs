@@ -45,7 +45,7 @@ pub const SETTINGS_CHANNEL: &str = "setting_changed";
 /// Notified when issues are deleted or truncated (migration 12).
 pub const REMOVAL_CHANNEL: &str = "issue_removed";
 /// Rung for the holders of LLM calls the shared budget granted (payload:
-/// the holder), and for a pause (payload `*`); see migration 16.
+/// the holder), and for a pause (payload `*`); see migration 17.
 pub const BUDGET_CHANNEL: &str = "llm_budget";
 /// The channel a new listening session proves delivery on.
 pub const PROBE_CHANNEL: &str = "newsnack_listener_probe";

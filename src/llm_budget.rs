@@ -1,7 +1,7 @@
 //! The LLM budget all instances share, from one process's side.
 //!
 //! Every LLM call waits for a grant from the budget in PostgreSQL
-//! (migration 16): at most `llm_max_in_flight` calls in flight and
+//! (migration 17): at most `llm_max_in_flight` calls in flight and
 //! `llm_requests_per_minute` starts across the cluster, at most
 //! `generation_concurrency` per process, briefing calls before feed calls
 //! (while one waits anywhere, no feed call starts), the oldest claim first

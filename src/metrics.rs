@@ -27,11 +27,13 @@
 //! | `newsnack_llm_paused` | gauge | | 1 while a rate limit's pause holds every instance's LLM calls, as this process last saw it |
 //! | `newsnack_llm_paused_until_seconds` | gauge | | when the last pause this process saw ends (Unix time) |
 //! | `newsnack_llm_pauses_total` | counter | | pauses of every instance's LLM calls this process saw begin (a call, its own or another instance's, met a 429 or 503 with `Retry-After`) |
+//! | `newsnack_log_lines_dropped_total` | counter | | log and status lines lost because their destination failed (a closed pipe, a full disk; see [`crate::logging`]) |
 //!
 //! Gauges that count something alive are driven by [`GaugeGuard`]s: the
 //! guard adds one when made and takes it away when dropped, on every exit
 //! path (an error, a panic, a cancelled task, a client that went away).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -59,6 +61,12 @@ const LLM_CALLS_WAITING: &str = "newsnack_llm_calls_waiting";
 const LLM_PAUSED: &str = "newsnack_llm_paused";
 const LLM_PAUSED_UNTIL: &str = "newsnack_llm_paused_until_seconds";
 const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
+const LOG_LINES_DROPPED: &str = "newsnack_log_lines_dropped_total";
+
+/// Log lines dropped so far: counted here, where a failing log write can
+/// count without touching the recorder (which may itself log), and copied
+/// into the counter when rendered.
+static LOG_LINES_DROPPED_SO_FAR: AtomicU64 = AtomicU64::new(0);
 
 /// Histogram buckets (seconds) of a smart wait: up to the longest
 /// sensible `content_gen_timeout_s`.
@@ -173,6 +181,10 @@ fn describe_and_register() {
     gauge!(LLM_CALLS_WAITING).increment(0.0);
     gauge!(LLM_PAUSED).set(0.0);
     gauge!(LLM_PAUSED_UNTIL).increment(0.0);
+    describe_counter!(
+        LOG_LINES_DROPPED,
+        "Log and status lines lost because their destination failed (a closed pipe, a full disk)"
+    );
     for result in ["claimed", "skipped", "skipped_known_done"] {
         counter!(CLAIMS, "result" => result).increment(0);
     }
@@ -180,6 +192,7 @@ fn describe_and_register() {
     counter!(UNVERIFIED_NOTIFICATIONS).increment(0);
     counter!(COMPLETIONS_DEFERRED).increment(0);
     counter!(AUTH_REJECTIONS).increment(0);
+    counter!(LOG_LINES_DROPPED).increment(0);
     gauge!(GENERATIONS_IN_FLIGHT).increment(0.0);
     gauge!(SSE_CLIENTS).increment(0.0);
     for lock in ["lease-reaper", "pipeline"] {
@@ -190,9 +203,9 @@ fn describe_and_register() {
 /// Everything recorded so far, in the Prometheus text format
 /// ([`CONTENT_TYPE`]).
 pub fn render() -> Result<String, MetricsError> {
-    install()
-        .map(|handle| handle.render())
-        .map_err(Clone::clone)
+    let handle = install().map_err(Clone::clone)?;
+    counter!(LOG_LINES_DROPPED).absolute(LOG_LINES_DROPPED_SO_FAR.load(Ordering::Relaxed));
+    Ok(handle.render())
 }
 
 /// Adds one to a gauge while alive; takes it away again when dropped.
@@ -333,6 +346,12 @@ pub fn sse_client_connected() -> GaugeGuard {
 pub fn completion_deferred() {
     let _ = install();
     counter!(COMPLETIONS_DEFERRED).increment(1);
+}
+
+/// A log or status line could not be written (its destination failed).
+/// Touches nothing but an atomic: it is called from inside log writes.
+pub fn log_line_dropped() {
+    LOG_LINES_DROPPED_SO_FAR.fetch_add(1, Ordering::Relaxed);
 }
 
 /// A request was refused for a missing or wrong API token.

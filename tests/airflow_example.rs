@@ -6,8 +6,12 @@
 //! target order), no briefing when the wait skips, and a clear failure that
 //! changes nothing when the token is wrong or the service is unreachable.
 //!
-//! The tests need `python3` (standard library only); without it they say so
-//! and pass.
+//! The last two run the DAG itself in Apache Airflow 3 (`airflow dags
+//! test`, installed from PyPI into a cached venv): every task succeeds and
+//! the briefing holds exactly the completed ids; and the skip path.
+//!
+//! The tests need `python3` (and `venv` for Airflow); without it they fail
+//! and say what to install.
 
 mod common;
 
@@ -51,20 +55,6 @@ impl Writer for RefusingWriter {
     }
 }
 
-/// True when `python3` can be run; otherwise says why the test is skipped.
-fn have_python() -> bool {
-    match std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-    {
-        Ok(out) if out.status.success() => true,
-        _ => {
-            eprintln!("skipping: python3 is not installed (the Airflow example's client needs it)");
-            false
-        }
-    }
-}
-
 async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
     let options = ServeOptions {
         pool_size: 8,
@@ -84,7 +74,7 @@ async fn run_briefing(
     args: &[&str],
     stdin: Option<&str>,
 ) -> Output {
-    let mut command = tokio::process::Command::new("python3");
+    let mut command = tokio::process::Command::new(common::python::python3());
     command
         .arg(SCRIPT)
         .arg("--base-url")
@@ -165,9 +155,6 @@ async fn briefings(db: &TestDb) -> Vec<(i64, Vec<i64>)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partial_success_publishes_exactly_the_ids_the_wait_returned() {
-    if !have_python() {
-        return;
-    }
     let db = TestDb::new().await;
     let targets = add(
         &db,
@@ -226,9 +213,6 @@ async fn a_partial_success_publishes_exactly_the_ids_the_wait_returned() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issues_added_over_http_are_claimed_waited_for_and_published_hottest_first() {
-    if !have_python() {
-        return;
-    }
     let db = TestDb::new().await;
     let service = serve(&db, Some(TOKEN)).await;
     let base = format!("http://{}", service.addr);
@@ -275,9 +259,6 @@ async fn issues_added_over_http_are_claimed_waited_for_and_published_hottest_fir
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_that_skips_publishes_nothing() {
-    if !have_python() {
-        return;
-    }
     let db = TestDb::new().await;
     let targets = add(
         &db,
@@ -302,9 +283,6 @@ async fn a_wait_that_skips_publishes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_token_fails_clearly_and_changes_nothing() {
-    if !have_python() {
-        return;
-    }
     let db = TestDb::new().await;
     let targets = add(&db, &[("One", 2.0), ("Two", 1.0)]).await;
     let service = serve(&db, Some(TOKEN)).await;
@@ -341,9 +319,6 @@ async fn a_wrong_token_fails_clearly_and_changes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_service_is_reported_as_such() {
-    if !have_python() {
-        return;
-    }
     // A port nobody listens on: bound, then released.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -362,4 +337,173 @@ async fn an_unreachable_service_is_reported_as_such() {
             .starts_with(&format!("cannot connect to http://127.0.0.1:{port}")),
         "{report}"
     );
+}
+
+/// Apache Airflow, pinned: the DAG is written for Airflow 3 (and 2.7+).
+const AIRFLOW: &[&str] = &["apache-airflow==3.1.8"];
+const DAGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/airflow");
+
+/// Airflow's command line with a home of its own (a fresh SQLite metadata
+/// database, made by `airflow db migrate`), the example's DAGs folder, and
+/// the service's address and token for the DAG's client.
+struct Airflow {
+    bin: std::path::PathBuf,
+    home: tempfile::TempDir,
+    base_url: String,
+}
+
+impl Airflow {
+    async fn for_service(base_url: &str) -> Airflow {
+        let bin = tokio::task::spawn_blocking(|| common::python::venv("airflow", AIRFLOW))
+            .await
+            .unwrap();
+        let airflow = Airflow {
+            bin,
+            home: tempfile::tempdir().unwrap(),
+            base_url: base_url.to_string(),
+        };
+        let migrated = airflow.run(&["db", "migrate"]).await;
+        assert!(
+            migrated.status.success(),
+            "airflow db migrate: {}",
+            String::from_utf8_lossy(&migrated.stderr)
+        );
+        airflow
+    }
+
+    async fn run(&self, args: &[&str]) -> Output {
+        let mut command = tokio::process::Command::new(self.bin.join("airflow"));
+        command
+            .args(args)
+            .env("AIRFLOW_HOME", self.home.path())
+            .env("AIRFLOW__CORE__DAGS_FOLDER", DAGS)
+            .env("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+            .env("NEWSNACK_BASE_URL", &self.base_url)
+            .env("NEWSNACK_API_TOKEN", TOKEN)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        within(300, "airflow", command.output()).await.unwrap()
+    }
+
+    /// `airflow dags test newsnack_daily` with `conf`; its whole output.
+    async fn test_dag(&self, conf: &Value) -> String {
+        let out = self
+            .run(&[
+                "dags",
+                "test",
+                "newsnack_daily",
+                "--conf",
+                &conf.to_string(),
+            ])
+            .await;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "airflow dags test failed:\n{text}");
+        assert!(
+            text.contains("state=success"),
+            "the DAG run succeeded:\n{text}"
+        );
+        text
+    }
+}
+
+/// The tasks that `airflow dags test` reports as started, and the reasons
+/// of those it skipped.
+fn tasks_run_and_skipped(output: &str) -> (Vec<String>, Vec<String>) {
+    let started = output
+        .lines()
+        .filter_map(|l| l.split("[DAG TEST] starting task_id=").nth(1))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .map(str::to_string)
+        .collect();
+    let skipped = output
+        .lines()
+        .filter(|l| l.contains("Skipping task."))
+        .filter_map(|l| l.split("reason=").nth(1))
+        .map(str::to_string)
+        .collect();
+    (started, skipped)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dag_runs_in_airflow_and_publishes_exactly_the_completed_ids() {
+    let db = TestDb::new().await;
+    let targets = add(
+        &db,
+        &[
+            ("Hottest story", 9.0),
+            ("refuse: the story the model will not write", 8.0),
+            ("Third story", 7.0),
+            ("Fourth story", 6.0),
+        ],
+    )
+    .await;
+    let service = serve(&db, Some(TOKEN)).await;
+    let airflow = Airflow::for_service(&format!("http://{}", service.addr)).await;
+    let output = airflow
+        .test_dag(&serde_json::json!({
+            "issue_ids": targets, "min_completion": 2, "timeout_s": 120,
+        }))
+        .await;
+    let (started, skipped) = tasks_run_and_skipped(&output);
+    assert_eq!(
+        started,
+        [
+            "select_target_issues",
+            "request_articles",
+            "wait_for_completion",
+            "assemble_today_newsnack"
+        ],
+        "{output}"
+    );
+    assert!(skipped.is_empty(), "{skipped:?}");
+    // One target failed for good; the briefing holds the other three, in
+    // target order, and nothing else was published.
+    let expected = vec![targets[0], targets[2], targets[3]];
+    let published = briefings(&db).await;
+    assert_eq!(published.len(), 1, "{published:?}");
+    assert_eq!(published[0].1, expected);
+    let done = db
+        .ids("SELECT id FROM issue WHERE processing_status = 'DONE' ORDER BY score DESC")
+        .await;
+    assert_eq!(done, expected, "exactly the completed ids");
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipping_wait_skips_the_briefing_in_airflow() {
+    let db = TestDb::new().await;
+    let targets = add(
+        &db,
+        &[("refuse one", 3.0), ("refuse two", 2.0), ("Fine", 1.0)],
+    )
+    .await;
+    let service = serve(&db, Some(TOKEN)).await;
+    let airflow = Airflow::for_service(&format!("http://{}", service.addr)).await;
+    let output = airflow
+        .test_dag(&serde_json::json!({
+            "issue_ids": targets, "min_completion": 2, "timeout_s": 120,
+        }))
+        .await;
+    let (started, skipped) = tasks_run_and_skipped(&output);
+    assert_eq!(
+        started,
+        [
+            "select_target_issues",
+            "request_articles",
+            "wait_for_completion"
+        ],
+        "the briefing task never starts:\n{output}"
+    );
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert!(
+        skipped[0].contains("skip: 1 of 3 DONE, fewer than the minimum"),
+        "{skipped:?}"
+    );
+    assert!(briefings(&db).await.is_empty());
+    service.stop().await.unwrap();
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::fake_llm::{FakeLlm, Reply};
 use common::gate::DbGate;
 use common::process::ServeProcess;
-use common::{until_sql, until_status, within, TestDb};
+use common::{until_sql, until_sql_polled, until_status, within, TestDb};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use tokio::sync::watch;
 
@@ -500,7 +500,7 @@ async fn claim_statements(db: &TestDb) -> i64 {
     db.scalar_i64(
         "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
           WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND query LIKE 'WITH claimable AS MATERIALIZED%'",
+            AND query LIKE '%FROM newsnack_claim(%'",
     )
     .await
 }
@@ -988,26 +988,37 @@ async fn a_claim_taken_under_a_shorter_lease_is_beaten_before_it_runs_out() {
     within(30, "the writer to be called", calls.wait_for(|n| *n == 1))
         .await
         .unwrap();
-    // The claim's own lease is over by now (the test waits for time itself
-    // to pass, nothing else).
-    tokio::time::sleep(lease + Duration::from_millis(500)).await;
+    // The first beat extends the lease by the grown `lease_s` (600 s) from
+    // when it came; it must have come before the claim's own lease ran out.
+    until_sql_polled(
+        &db,
+        30,
+        &format!(
+            "SELECT lease_until > '{}'::timestamptz + interval '5 minutes' FROM issue WHERE id = {id}",
+            first_lease_until
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap()
+        ),
+    )
+    .await;
     let row = db
         .pool
         .get()
         .await
         .unwrap()
         .query_one(
-            "SELECT processing_status, claim_id, lease_until FROM issue WHERE id = $1",
+            "SELECT processing_status, claim_id, lease_until - interval '600 seconds'
+               FROM issue WHERE id = $1",
             &[&id],
         )
         .await
         .unwrap();
     assert_eq!(row.get::<_, String>(0), "IN_PROGRESS");
     assert_eq!(row.get::<_, i64>(1), claim_id);
-    let lease_until: time::OffsetDateTime = row.get(2);
+    let beaten_at: time::OffsetDateTime = row.get(2);
     assert!(
-        lease_until > first_lease_until + time::Duration::minutes(5),
-        "not beaten in time: the lease still ends at {lease_until} (claimed until {first_lease_until})"
+        beaten_at < first_lease_until,
+        "beaten at {beaten_at}, after the claim's lease ran out at {first_lease_until}"
     );
     release.send_replace(true);
     until_status(&db, &hub, 30, id, "DONE").await;

@@ -14,7 +14,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use common::{until_sql, until_status, within, TestDb};
+use common::{until_sql, until_sql_polled, until_status, within, TestDb};
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
 };
@@ -188,13 +188,18 @@ fn bad_inputs(pending: i64, done: i64) -> Vec<Bad> {
         ("issues: 1001 issues", "POST", "/issues".into(), JSON, body(json!({ "issues": many_issues })), 422),
         ("issues: blank title after a good one", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("fine"), issue(" \t\n ")] })), 422),
         ("issues: empty title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("")] })), 422),
-        ("issues: title over 1000 bytes", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue(&"t".repeat(1001))] })), 422),
-        ("issues: body over 100000 bytes", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "body": "b".repeat(100_001) }] })), 422),
+        ("issues: title over 1000 characters", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue(&"t".repeat(1001))] })), 422),
+        ("issues: title over 1000 two-byte characters", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue(&"é".repeat(1001))] })), 422),
+        ("issues: title of wide white space", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("\u{3000}\u{a0}\u{2028}")] })), 422),
+        ("issues: body over 100000 characters", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "body": "b".repeat(100_001) }] })), 422),
+        ("issues: NUL in body", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "body": "x\u{0}" }] })), 422),
         ("issues: NUL in title", "POST", "/issues".into(), JSON, body(json!({ "issues": [issue("a\u{0}b")] })), 422),
         ("issues: lone surrogate in title", "POST", "/issues".into(), JSON, raw("{\"issues\": [{\"title\": \"\\ud800\"}]}"), 400),
         ("issues: collected_at not RFC 3339", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "yesterday" }] })), 422),
         ("issues: collected_at in the year 10000 in UTC", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "9999-12-31T23:00:00-05:00" }] })), 422),
         ("issues: collected_at in the year 0", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "0000-06-01T00:00:00Z" }] })), 422),
+        ("issues: collected_at in the year 9999 as written", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "9999-01-01T00:00:00Z" }] })), 422),
+        ("issues: collected_at in the year 1 as written", "POST", "/issues".into(), JSON, body(json!({ "issues": [{ "title": "a", "collected_at": "0001-12-31T00:00:00Z" }] })), 422),
         ("issues: body over the 1 MiB limit", "POST", "/issues".into(), JSON, huge_issue, 413),
         // ---- GET /issues/{id}
         ("show: id abc", "GET", show("abc"), None, None, 400),
@@ -459,17 +464,21 @@ fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
     .clone()
 }
 
-/// The PostgreSQL server log of an embedded cluster (next to its data
-/// directory), if this process can read it.
-async fn server_log_path(db: &TestDb) -> Option<std::path::PathBuf> {
-    let sql = db.raw().await;
-    let data: String = sql
-        .query_one("SELECT current_setting('data_directory')", &[])
+/// Transactions rolled back in `db`'s database so far, once the sessions
+/// of the services that used it have ended (a session reports its figures
+/// when it ends at the latest).
+async fn rollbacks(db: &TestDb) -> i64 {
+    until_sql_polled(
+        db,
+        30,
+        "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database()
+                               AND (application_name LIKE 'newsnack:%'
+                                    OR application_name LIKE 'newsnack-lock:%'))",
+    )
+    .await;
+    db.scalar_i64("SELECT xact_rollback FROM pg_stat_database WHERE datname = current_database()")
         .await
-        .ok()?
-        .get(0);
-    let log = std::path::Path::new(&data).parent()?.join("server.log");
-    log.is_file().then_some(log)
 }
 
 const STORM_ISSUES: usize = 300;
@@ -483,18 +492,10 @@ async fn overlapping_claim_storm_over_http_writes_every_article_exactly_once() {
     let db = TestDb::new().await;
     let service = db.serve("storm", offline()).await;
     let ids = Arc::new(db.add_issues(STORM_ISSUES).await);
-    let server_log = server_log_path(&db).await;
-    if std::env::var_os("DATABASE_URL").is_none() {
-        assert!(
-            server_log.is_some(),
-            "the embedded cluster's server.log is readable"
-        );
-    }
-    let log_start = server_log
-        .as_ref()
-        .map(|p| std::fs::metadata(p).unwrap().len())
-        .unwrap_or(0);
     let logs_start = logs.lock().unwrap().len();
+    let rollbacks_before = db
+        .scalar_i64("SELECT xact_rollback FROM pg_stat_database WHERE datname = current_database()")
+        .await;
 
     // Windows of 5 consecutive ids, advancing by 2 (the last ones shorter),
     // so every id is in two or three windows; every client walks all of
@@ -645,14 +646,15 @@ async fn overlapping_claim_storm_over_http_writes_every_article_exactly_once() {
         ours.contains("article written"),
         "the log capture works (it saw the writes)"
     );
-    if let Some(path) = server_log {
-        let log = std::fs::read(&path).unwrap();
-        let ours = String::from_utf8_lossy(&log[log_start as usize..]);
-        assert!(
-            !ours.contains("duplicate key value violates unique constraint"),
-            "PostgreSQL logged a unique violation:\n{ours}"
-        );
-    }
+    // No statement failed in the database either (a unique violation, say):
+    // one that fails rolls its transaction back, and the service rolls none
+    // back on purpose. Counted by the server itself, so checked whether it
+    // is the harness's own cluster or the one at DATABASE_URL.
+    assert_eq!(
+        rollbacks(&db).await - rollbacks_before,
+        0,
+        "a transaction of the storm was rolled back: a statement failed"
+    );
 }
 
 /// One issue's fencing-relevant state, for before/after comparisons.
@@ -1099,6 +1101,69 @@ async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
     assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 4);
 }
 
+/// What the OpenAPI document allows is accepted: integers written as
+/// whole floats (JSON Schema counts `2.0` an integer), a title at its
+/// limit in characters however many bytes they take, a `collected_at` of
+/// `null`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_the_document_allows_are_accepted() {
+    let db = TestDb::new().await;
+    let service = db.serve("allowed", offline()).await;
+    let base = format!("http://{}", service.addr);
+    let http = reqwest::Client::new();
+
+    let title = "é".repeat(newsnack::input::MAX_TITLE_CHARS);
+    let (status, created) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/issues"),
+        JSON,
+        body(json!({ "issues": [{ "title": title, "collected_at": null, "score": 2 }] })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["ids"][0].as_i64().unwrap();
+
+    let as_float = || format!("{id}.0");
+    let (status, claimed) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/ai-articles"),
+        JSON,
+        raw(&format!("{{\"issue_ids\": [{}]}}", as_float())),
+    )
+    .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{claimed}");
+    assert_eq!(claimed["claimed"], json!([id]));
+
+    let (status, waited) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/waits"),
+        JSON,
+        raw(&format!(
+            "{{\"issue_ids\": [{}], \"min_completion\": 1.0, \"timeout_s\": 60}}",
+            as_float()
+        )),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{waited}");
+    assert_eq!(waited["outcome"], json!("all_pass"));
+
+    let (status, assembled) = send(
+        &http,
+        Method::POST,
+        &format!("{base}/today-newsnack"),
+        JSON,
+        raw(&format!("{{\"issue_ids\": [{}, {id}e0]}}", as_float())),
+    )
+    .await;
+    // The same id twice, spelled two ways: once in the briefing.
+    assert_eq!(status, StatusCode::CREATED, "{assembled}");
+    assert_eq!(assembled["issue_ids"], json!([id]));
+    service.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn show_health_and_readiness_answer_in_shape() {
     let db = TestDb::new().await;
@@ -1364,7 +1429,7 @@ async fn claim_path_statements(sql: &tokio_postgres::Client) -> (i64, i64) {
             "SELECT (SELECT COALESCE(sum(calls), 0)::bigint
                        FROM pg_stat_statements
                       WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-                        AND query LIKE '%claimable AS MATERIALIZED%'),
+                        AND query LIKE '%FROM newsnack_claim(%'),
                     (SELECT count(*) FROM issue_transition)",
             &[],
         )
@@ -1554,57 +1619,6 @@ async fn an_id_finished_removed_and_reused_in_one_transaction_is_claimable() {
     let (status, answer) = post_issue_ids(&http, &url, vec![id]).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
     assert_eq!(answer["claimed"], json!([id]));
-    service.stop().await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn issues_claimed_for_a_client_that_hung_up_are_still_generated() {
-    let db = TestDb::new().await;
-    let service = db
-        .serve("hang-up", Arc::new(OfflineWriter) as SharedWriter)
-        .await;
-    let ids = db.add_issues(200).await;
-    // Each client sends its request and hangs up without waiting for the
-    // answer, so some handlers are dropped while their claim is running.
-    let addr = service.addr;
-    let posts = ids.iter().map(|&id| async move {
-        use tokio::io::AsyncWriteExt;
-        let body = format!(r#"{{"issue_ids":[{id}]}}"#);
-        let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
-        socket
-            .write_all(
-                format!(
-                    "POST /ai-articles HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                    body.len()
-                )
-                .as_bytes(),
-            )
-            .await
-            .unwrap();
-        drop(socket);
-    });
-    futures::future::join_all(posts).await;
-    // Whatever was claimed is generated, not left IN_PROGRESS for a lease:
-    // every issue is done (with its one article) or was never claimed. (A
-    // request still on its way may claim later; what is checked is a state
-    // the service reaches, in one snapshot, after some claim was made.)
-    until_sql(
-        &db,
-        &service.hub,
-        20,
-        "SELECT count(*) FILTER (WHERE processing_status = 'DONE') > 0
-            AND count(*) FILTER (WHERE processing_status = 'IN_PROGRESS') = 0
-            AND count(*) FILTER (WHERE processing_status IN ('DONE', 'PENDING')) = 200
-            AND count(*) FILTER (WHERE processing_status = 'DONE')
-                = (SELECT count(*) FROM ai_article)
-           FROM issue",
-    )
-    .await;
-    let done = db
-        .scalar_i64("SELECT count(*) FROM issue WHERE processing_status = 'DONE'")
-        .await;
-    let pending = 200 - done;
-    eprintln!("hung-up clients: {done} issues claimed and generated, {pending} never claimed");
     service.stop().await.unwrap();
 }
 

@@ -218,14 +218,7 @@ async fn transitions_committed_during_an_outage_arrive_without_another_one() {
     let ids = db.add_issues(3).await;
     let (hub, stop) = db.listener_with(quick_reconnects()).await;
     let writer = db.raw().await;
-    let (admin, connection) = db
-        .config
-        .clone()
-        .dbname("postgres")
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let admin = db.maintenance().await;
     let admit =
         |allowed: bool| format!("ALTER DATABASE \"{}\" ALLOW_CONNECTIONS {allowed}", db.name);
     // The listener loses its session and cannot get a new one.

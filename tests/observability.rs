@@ -630,10 +630,33 @@ async fn metrics_are_prometheus_text_and_follow_the_work() {
             before.text
         );
     }
-    for lock in ["lease-reaper", "pipeline"] {
-        let held = before.value("newsnack_advisory_lock_held", &[("lock", lock)]);
-        assert!((0.0..=1.0).contains(&held), "{lock} held {held} times");
-    }
+    // The gauge follows the locks: 1 for the reaper's once it is taken (as
+    // the database sees it), 0 for the pipeline's, which only a run holds.
+    let lock_gauge = |scrape: &Scrape, lock: &str| {
+        scrape.value("newsnack_advisory_lock_held", &[("lock", lock)])
+    };
+    let reaping = within(30, "the reaper to take its lock", async {
+        loop {
+            let now = scrape(&http, &base).await;
+            if lock_gauge(&now, "lease-reaper") >= 1.0 {
+                return now;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(lock_gauge(&reaping, "lease-reaper"), 1.0);
+    assert_eq!(lock_gauge(&reaping, "pipeline"), 0.0);
+    assert_eq!(
+        db.scalar_i64(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'advisory' AND l.granted
+                AND a.application_name LIKE 'newsnack-lock:lease-reaper:%'"
+        )
+        .await,
+        1,
+        "the database sees the reaper's lock held"
+    );
 
     // Four issues: two plain, one whose generation fails fatally, one held.
     let mut live = service.hub.subscribe();
@@ -816,6 +839,8 @@ async fn metrics_are_prometheus_text_and_follow_the_work() {
         text: stopped,
     };
     assert_eq!(stopped.value("newsnack_generations_in_flight", &[]), 0.0);
+    assert_eq!(lock_gauge(&stopped, "lease-reaper"), 0.0, "let go on stop");
+    assert_eq!(lock_gauge(&stopped, "pipeline"), 0.0);
     assert_eq!(
         stopped.value(transitions, &[("from", "IN_PROGRESS"), ("to", "DONE")])
             - before.value(transitions, &[("from", "IN_PROGRESS"), ("to", "DONE")]),

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{within, TestDb};
 use newsnack::status::Status;
 use tokio_postgres::Client;
@@ -177,11 +175,16 @@ async fn stream_after_gives_history_then_live_without_gaps_or_repeats() {
     assert_eq!(claimed, ids, "every claim once, in commit order");
     let total = db.scalar_i64("SELECT count(*) FROM issue_transition").await;
     assert_eq!(total, 60);
-    // Nothing more is pending in the stream.
-    assert!(
-        tokio::time::timeout(Duration::from_millis(200), stream.next())
-            .await
-            .is_err()
+    // Nothing more was pending in the stream: the next item is a
+    // transition committed after all of these.
+    let sentinel = db.add_issues(1).await[0];
+    let next = within(30, "the sentinel's transition", stream.next())
+        .await
+        .unwrap();
+    assert_eq!(
+        (next.issue_id, next.to),
+        (sentinel, Status::Pending),
+        "no repeat or stray transition before it"
     );
     stop.cancel();
 }

@@ -1,6 +1,14 @@
 //! Helpers every benchmark shares: knobs from the environment, a plain
-//! connection, and rounding for the JSON reports.
+//! connection, the claim workload, and rounding for the JSON reports.
 #![allow(dead_code)]
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use newsnack::claim::Claimer;
+use newsnack::db::issue::{claim_issues, ClaimScope, NewIssue};
+use newsnack::db::DbPool;
 
 /// A numeric knob from the environment, or its default.
 pub fn knob(name: &str, default: u64) -> u64 {
@@ -25,4 +33,79 @@ pub fn round1(x: f64) -> f64 {
 
 pub fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
+}
+
+#[derive(Clone, Copy)]
+pub enum Path {
+    /// Through the service's batching claimer.
+    Claimer,
+    /// The bare statement, one transaction per claim.
+    Direct,
+}
+
+/// Each of `clients` claims single issues from its own slice, one request
+/// per claim, for `duration`. Returns claims per second.
+pub async fn claim_rate(pool: &DbPool, path: Path, clients: usize, duration: Duration) -> f64 {
+    // More than a client can claim in `duration` (about 1,000/s at most).
+    let per_client = (duration.as_secs_f64() * 2_000.0).ceil() as usize + 1_000;
+    let client = pool.get().await.unwrap();
+    let issues: Vec<NewIssue> = (0..per_client * clients)
+        .map(|i| NewIssue {
+            title: format!("bench {i}"),
+            body: String::new(),
+            score: 0.0,
+            collected_at: None,
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for chunk in issues.chunks(5000) {
+        ids.extend(
+            newsnack::db::issue::insert_issues(&client, chunk)
+                .await
+                .unwrap(),
+        );
+    }
+    drop(client);
+    let ids = Arc::new(ids);
+    let claims = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let claimer = Claimer::start(pool.clone(), "bench".into(), 2);
+    let lease = Duration::from_secs(60);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (pool, ids, claims, stop, claimer) = (
+            pool.clone(),
+            ids.clone(),
+            claims.clone(),
+            stop.clone(),
+            claimer.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            for &id in &ids[c * per_client..(c + 1) * per_client] {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let out = match path {
+                    Path::Claimer => claimer
+                        .claim(vec![id], lease, ClaimScope::Claimable)
+                        .await
+                        .unwrap(),
+                    Path::Direct => {
+                        let client = pool.get().await.unwrap();
+                        claim_issues(&client, &[id], "bench", lease, ClaimScope::Claimable)
+                            .await
+                            .unwrap()
+                    }
+                };
+                claims.fetch_add(out.claimed.len() as u64, Ordering::Relaxed);
+            }
+        }));
+    }
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    claims.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
 }

@@ -197,38 +197,15 @@ pub async fn count_by_status(client: &impl Sql) -> Result<Vec<(Status, i64)>, Db
     Ok(counts)
 }
 
-/// The claim statement of [`claim_issues`]. Its parameters: the ids, the
-/// holder, the lease in seconds, and the attempt limit of a retry (NULL for
-/// a first claim). Public so that tests can check its plan.
-pub const CLAIM_STATEMENT: &str = "WITH claimable AS MATERIALIZED (
-         SELECT i.id
-           FROM issue i
-          WHERE i.id = ANY($1::bigint[])
-            AND CASE WHEN $4::integer IS NULL
-                     THEN i.processing_status IN ('PENDING', 'FAILED')
-                     WHEN $4::integer < 0
-                     THEN i.processing_status = 'PENDING'
-                     ELSE i.processing_status = 'FAILED' AND i.attempts < $4::integer
-                          AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
-                END
-          ORDER BY i.id
-            FOR NO KEY UPDATE OF i SKIP LOCKED
-     ), claimed AS (
-         UPDATE issue i
-            SET processing_status = 'IN_PROGRESS',
-                attempts = i.attempts + 1,
-                claim_id = nextval('issue_claim_id_seq'),
-                claimed_by = $2,
-                lease_until = now() + make_interval(secs => $3::float8)
-           FROM claimable c
-          WHERE i.id = c.id
-      RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until
-     )
-     SELECT id, claim_id, attempts, title, body, lease_until FROM claimed
-     UNION ALL
-     SELECT i.id, NULL, NULL, NULL, NULL, NULL
-       FROM issue i
-      WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'DONE'";
+/// The claim of [`claim_issues`]: a call of `newsnack_claim` (migration
+/// 16), whose one statement claims with `FOR NO KEY UPDATE SKIP LOCKED`
+/// over a materialised CTE and reports the requested ids it saw `DONE`;
+/// the function keeps that statement's generic plan for its server
+/// session. Its parameters: the ids, the holder, the lease in seconds, and
+/// the attempt limit of a retry (NULL for a first claim, -1 for `PENDING`
+/// only).
+pub const CLAIM_STATEMENT: &str =
+    "SELECT id, claim_id, attempts, title, body, lease_until FROM newsnack_claim($1, $2, $3, $4)";
 
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
@@ -397,50 +374,24 @@ pub struct Completion {
     pub usage: crate::writer::TokenUsage,
 }
 
-/// The completion statement of [`complete`]. Its parameters: ids, claim
-/// ids, headlines and bodies (one element per completion), the writer, and
-/// the prompt and completion tokens (one element per completion, NULL
-/// where not reported).
-/// The ids are also matched with `= ANY($1)`, so that every plan looks them
-/// up by primary key, however few issues the statistics say are in flight.
-/// Only the rows of claims still current are locked, and rows another
-/// transaction holds are skipped, not waited for: one issue locked by a
-/// system editing it with plain SQL must not hold up every completion
-/// queued behind it, and a late worker must not make a concurrent claim
-/// skip an issue reset under it. The lock is `FOR UPDATE`, which also
-/// conflicts with the `FOR KEY SHARE` that another transaction's insert of
-/// an article for the issue holds: the article insert would otherwise wait
-/// for that transaction on the unique index. Answers one row per completion whose claim
-/// was current as of the statement's snapshot: its id, its claim id, and
-/// whether it was written. Public so that tests can check its plan.
-pub const COMPLETE_STATEMENT: &str = "WITH input AS (
-         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[],
-                              $6::integer[], $7::integer[])
-                  AS t(id, claim_id, headline, body, prompt_tokens, completion_tokens)
-     ), current AS (
-         SELECT i.id, i.claim_id FROM issue i JOIN input USING (id, claim_id)
-          WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'IN_PROGRESS'
-     ), free AS MATERIALIZED (
-         SELECT i.id FROM issue i JOIN current USING (id, claim_id)
-          WHERE i.id = ANY($1::bigint[]) AND i.processing_status = 'IN_PROGRESS'
-          ORDER BY i.id FOR UPDATE OF i SKIP LOCKED
-     ), done AS (
-         UPDATE issue i SET processing_status = 'DONE'
-           FROM current
-          WHERE i.id = ANY($1::bigint[]) AND i.id IN (SELECT id FROM free)
-            AND i.id = current.id AND i.claim_id = current.claim_id
-      RETURNING i.id, i.claim_id
-     ), written AS (
-         INSERT INTO ai_article (issue_id, headline, body, writer, claim_id,
-                                 prompt_tokens, completion_tokens)
-         SELECT d.id, input.headline, input.body, $5, d.claim_id,
-                input.prompt_tokens, input.completion_tokens
-           FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
-      RETURNING issue_id, claim_id
-     )
-     SELECT c.id, c.claim_id, w.issue_id IS NOT NULL
-       FROM current c
-       LEFT JOIN written w ON w.issue_id = c.id AND w.claim_id = c.claim_id";
+/// The completion of [`complete`]: a call of `newsnack_complete`
+/// (migrations 16 and 17), which keeps its statement's generic plan for its
+/// server session. Its parameters: ids, claim ids, headlines and bodies (one
+/// element per completion), the writer, and the prompt and completion
+/// tokens (one element per completion, NULL where not reported). The statement looks the ids up
+/// by primary key (`= ANY(ids)`), however few issues the statistics say
+/// are in flight; only the rows of claims still current are locked, and
+/// rows another transaction holds are skipped, not waited for: one issue
+/// locked by a system editing it with plain SQL must not hold up every
+/// completion queued behind it, and a late worker must not make a
+/// concurrent claim skip an issue reset under it. The lock is `FOR UPDATE`,
+/// which also conflicts with the `FOR KEY SHARE` that another
+/// transaction's insert of an article for the issue holds: the article
+/// insert would otherwise wait for that transaction on the unique index.
+/// Answers one row per completion whose claim was current as of the
+/// statement's snapshot: its id, its claim id, and whether it was written.
+pub const COMPLETE_STATEMENT: &str =
+    "SELECT id, claim_id, written FROM newsnack_complete($1, $2, $3, $4, $5, $6, $7)";
 
 /// Completes claims in one statement (so one transaction): each issue that
 /// is still `IN_PROGRESS` under its very claim is set `DONE` and its article

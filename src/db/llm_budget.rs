@@ -1,4 +1,4 @@
-//! Queries on the LLM budget all instances share (migration 16): the one
+//! Queries on the LLM budget all instances share (migration 17): the one
 //! exchange a holder has with it, and what the dashboard shows of it.
 
 use std::time::Duration;

@@ -94,8 +94,13 @@ pub const MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 16,
+        name: "statement plans",
+        sql: include_str!("../../sql/0016_statement_plans.sql"),
+    },
+    Migration {
+        version: 17,
         name: "llm budget",
-        sql: include_str!("../../sql/0016_llm_budget.sql"),
+        sql: include_str!("../../sql/0017_llm_budget.sql"),
     },
 ];
 

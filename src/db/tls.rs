@@ -86,7 +86,7 @@ impl std::fmt::Display for SslMode {
 }
 
 /// What the client checks of the server's certificate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Verification {
     /// Nothing: encryption without authentication.
@@ -513,7 +513,7 @@ impl TlsConnect<Socket> for TrackedConnect {
 }
 
 /// How one database session is protected, for the log and `/readyz`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct SessionSecurity {
     pub encrypted: bool,
     /// What was checked of the server (nothing when not encrypted).

@@ -32,7 +32,9 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{ApiError, ApiJson};
+use super::openapi::{ClaimConflict, ErrorBody};
 use super::AppState;
+use crate::api_types::ClaimAnswer;
 use crate::db::issue::ClaimScope;
 use crate::input;
 use crate::llm_budget::Priority;
@@ -44,6 +46,8 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ArticleRequest {
+    #[serde(deserialize_with = "crate::api_types::whole_ids")]
+    #[schema(schema_with = super::openapi::id_list_schema)]
     issue_ids: Vec<i64>,
     /// Which LLM calls go first: `briefing` (the default) before `feed`,
     /// across every instance.
@@ -53,14 +57,14 @@ pub struct ArticleRequest {
 
 /// Claim issues for generation (`FOR NO KEY UPDATE SKIP LOCKED`).
 #[utoipa::path(post, path = "/ai-articles", request_body = ArticleRequest, tag = "generation",
-    responses((status = 202, description = "`{\"claimed\":[..],\"skipped\":[..]}`; generated in the background"),
-              (status = 409, description = "nothing was claimable; same fields plus `error`"),
-              (status = 503, description = "this instance holds `NEWSNACK_MAX_BACKLOG` unfinished claims; nothing claimed, `Retry-After` says when to try again"),
-              (status = 422, description = "invalid id list, or a `priority` other than `briefing` or `feed`")))]
+    responses((status = 202, body = ClaimAnswer, description = "Claimed; generated in the background"),
+              (status = 409, body = ClaimConflict, description = "Nothing was claimable"),
+              (status = 503, body = ErrorBody, description = "The database is out of reach, out of connections or read-only, the server is shutting down, or this instance holds `NEWSNACK_MAX_BACKLOG` unfinished claims; nothing claimed, try again after `Retry-After` seconds",
+               headers(("Retry-After" = u64, description = "Seconds to wait before trying again")))))]
 pub async fn request_articles(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ArticleRequest>,
-) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Json<ClaimAnswer>), ApiError> {
     input::check_ids("issue_ids", &request.issue_ids)?;
     let priority = request.priority.unwrap_or(Priority::Briefing);
     let (open, done, known_since) = state.done.split(&request.issue_ids);
@@ -102,16 +106,13 @@ pub async fn request_articles(
     };
     skipped.sort_unstable();
     skipped.dedup();
-    let body = serde_json::json!({
-        "claimed": claimed,
-        "skipped": skipped,
-    });
-    if claimed.is_empty() {
+    let answer = ClaimAnswer { claimed, skipped };
+    if answer.claimed.is_empty() {
         return Err(ApiError::Conflict(
             "none of the requested issues is claimable (each is in progress, done, or unknown)"
                 .into(),
-            body,
+            serde_json::to_value(&answer).unwrap_or_default(),
         ));
     }
-    Ok((StatusCode::ACCEPTED, Json(body)))
+    Ok((StatusCode::ACCEPTED, Json(answer)))
 }

@@ -9,6 +9,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{positive_id, ApiError, ApiJson, ApiPath};
+use super::openapi::{AssembleConflict, ErrorBody};
 use super::AppState;
 use crate::briefing::{self, AssembleError, Assembled};
 use crate::db::{self, briefing::Briefing, pipeline_run::RunView, DbError};
@@ -24,13 +25,15 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AssembleBody {
+    #[serde(deserialize_with = "crate::api_types::whole_ids")]
+    #[schema(schema_with = super::openapi::id_list_schema)]
     issue_ids: Vec<i64>,
 }
 
 /// Assemble a briefing from exactly these issues, in this order.
 #[utoipa::path(post, path = "/today-newsnack", request_body = AssembleBody, tag = "briefings",
-    responses((status = 201, body = Assembled),
-              (status = 409, description = "`not_done` lists the ids that are not DONE, `without_article` those DONE without an article")))]
+    responses((status = 201, body = Assembled, description = "The briefing, from exactly these issues (repeats dropped)"),
+              (status = 409, body = AssembleConflict, description = "Some issue is not `DONE`, or `DONE` without an article; nothing published")))]
 pub async fn assemble(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<AssembleBody>,
@@ -54,15 +57,17 @@ pub async fn assemble(
 
 /// The newest briefing.
 #[utoipa::path(get, path = "/briefings/latest", tag = "briefings",
-    responses((status = 200, body = Briefing), (status = 404, description = "none yet")))]
+    responses((status = 200, body = Briefing, description = "The newest briefing"),
+              (status = 404, body = ErrorBody, description = "None yet")))]
 pub async fn latest(State(state): State<AppState>) -> Result<Json<Briefing>, ApiError> {
     find(&state, None).await
 }
 
 /// One briefing.
 #[utoipa::path(get, path = "/briefings/{id}", tag = "briefings",
-    params(("id" = i64, Path, description = "briefing id")),
-    responses((status = 200, body = Briefing), (status = 404, description = "no such briefing")))]
+    params(("id" = i64, Path, minimum = 1, description = "briefing id")),
+    responses((status = 200, body = Briefing, description = "The briefing"),
+              (status = 404, body = ErrorBody, description = "No such briefing")))]
 pub async fn by_id(
     State(state): State<AppState>,
     ApiPath(raw): ApiPath<String>,
@@ -81,7 +86,7 @@ async fn find(state: &AppState, id: Option<i64>) -> Result<Json<Briefing>, ApiEr
 
 /// The 20 newest pipeline runs.
 #[utoipa::path(get, path = "/pipeline-runs", tag = "briefings",
-    responses((status = 200, body = [RunView])))]
+    responses((status = 200, body = [RunView], description = "The newest runs first")))]
 pub async fn recent_runs(State(state): State<AppState>) -> Result<Json<Vec<RunView>>, ApiError> {
     let client = state.pool.get().await.map_err(DbError::from)?;
     Ok(Json(db::pipeline_run::recent(&client, 20).await?))

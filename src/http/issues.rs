@@ -7,8 +7,9 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{positive_id, ApiError, ApiJson, ApiPath};
+use super::openapi::ErrorBody;
 use super::AppState;
-use crate::api_types::NewIssueJson;
+use crate::api_types::{AddedIssues, NewIssueJson};
 use crate::db::issue::{self, IssueView, NewIssue};
 use crate::input;
 
@@ -21,28 +22,30 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AddIssues {
+    #[schema(schema_with = super::openapi::new_issues_schema)]
     issues: Vec<NewIssueJson>,
 }
 
 /// Add issues (1 to 1000).
 #[utoipa::path(post, path = "/issues", request_body = AddIssues, tag = "issues",
-    responses((status = 201, description = "`{\"ids\":[..]}` in input order"),
-              (status = 422, description = "invalid issues; nothing added")))]
+    responses((status = 201, body = AddedIssues, description = "The new issues' ids, in input order"),
+              (status = 422, body = ErrorBody, description = "Invalid issues (outside the schema, or a blank title); nothing added")))]
 pub async fn add_issues(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<AddIssues>,
-) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Json<AddedIssues>), ApiError> {
     let new: Vec<NewIssue> = request.issues.into_iter().map(NewIssue::from).collect();
     input::check_new_issues(&new)?;
     let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
     let ids = issue::insert_issues(&client, &new).await?;
-    Ok((StatusCode::CREATED, Json(serde_json::json!({ "ids": ids }))))
+    Ok((StatusCode::CREATED, Json(AddedIssues { ids })))
 }
 
 /// One issue.
 #[utoipa::path(get, path = "/issues/{id}", tag = "issues",
-    params(("id" = i64, Path, description = "issue id")),
-    responses((status = 200, body = IssueView), (status = 404, description = "no such issue")))]
+    params(("id" = i64, Path, minimum = 1, description = "issue id")),
+    responses((status = 200, body = IssueView, description = "The issue"),
+              (status = 404, body = ErrorBody, description = "No such issue")))]
 pub async fn show_issue(
     State(state): State<AppState>,
     ApiPath(raw): ApiPath<String>,

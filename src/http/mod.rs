@@ -75,7 +75,7 @@ pub fn router(state: AppState) -> Router {
         .merge(briefings::router())
         .merge(events::router())
         .merge(dashboard::router())
-        .merge(openapi::router())
+        .merge(openapi::router(token.is_required()))
         .route("/metrics", get(prometheus_metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

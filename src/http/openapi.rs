@@ -1,11 +1,46 @@
-//! `GET /openapi.json`: the API described as OpenAPI 3, generated from the
-//! handlers' annotations so it cannot drift from the code.
+//! `GET /openapi.json`: the JSON API described as OpenAPI 3.1, generated
+//! from the handlers' annotations and the limits [`crate::input`] enforces,
+//! so it cannot drift from the code.
+//!
+//! Each handler's annotation gives its answers and the failures particular
+//! to it (404, 409, 422 for values it refuses); [`document`] adds those
+//! every operation of a kind shares, because shared code answers them:
+//!
+//! - an operation with a JSON body: 400 (not JSON), 413 (over
+//!   [`super::BODY_LIMIT`]), 415 (not `application/json`), 422 (a value of
+//!   the wrong type, a missing or unknown field: anything outside the
+//!   request's schema);
+//! - an operation with a path id: 400 (not a positive integer);
+//! - every operation: 500 (a fault, or a stored date the service cannot
+//!   represent), and 503 with `Retry-After` for those that use the
+//!   database (out of reach, out of connections, read-only, shutting down);
+//! - with an API token configured, every operation but reads: the `bearer`
+//!   security scheme and 401 with `WWW-Authenticate: Bearer`.
+//!
+//! Every error body is [`ErrorBody`] (a 409 carries more fields). The
+//! request schemas state the limits the service checks: 1 to
+//! [`input::MAX_IDS`] ids, each a positive `int64`; 1 to
+//! [`input::MAX_NEW_ISSUES`] issues; a title of at most
+//! [`input::MAX_TITLE_CHARS`] characters that is not blank, a body of at
+//! most [`input::MAX_BODY_CHARS`], neither holding a NUL character
+//! ([`TITLE_PATTERN`], [`BODY_PATTERN`]); a `collected_at` whose year is in
+//! [`input::COLLECTED_YEARS`] ([`COLLECTED_AT_PATTERN`]). Integers follow
+//! JSON Schema: `2.0` is the integer 2 ([`crate::api_types::whole_ids`]).
 
+use std::sync::Arc;
+
+use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
-use axum::{Json, Router};
+use axum::Router;
+use serde_json::{json, Map, Value};
+use utoipa::openapi::schema::{
+    ArrayBuilder, KnownFormat, ObjectBuilder, SchemaFormat, SchemaType, Type,
+};
+use utoipa::openapi::Ref;
 use utoipa::OpenApi;
 
 use super::AppState;
+use crate::input;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -13,6 +48,7 @@ use super::AppState;
         title = "newsnack",
         description = "The content pipeline of a daily news briefing."
     ),
+    servers((url = "/", description = "this instance")),
     paths(
         super::issues::add_issues,
         super::issues::show_issue,
@@ -26,18 +62,387 @@ use super::AppState;
         super::health::readyz,
     ),
     components(schemas(
+        ErrorBody,
         crate::db::issue::IssueView,
         crate::status::Status,
         crate::api_types::NewIssueJson,
+        crate::api_types::AddedIssues,
+        crate::api_types::ClaimAnswer,
+        ClaimConflict,
         crate::wait::WaitReport,
         crate::wait::WaitOutcome,
         crate::db::briefing::Briefing,
         crate::db::pipeline_run::RunView,
         crate::briefing::Assembled,
+        AssembleConflict,
+        super::health::Health,
+        super::health::Readiness,
     ))
 )]
 pub struct ApiDoc;
 
-pub fn router() -> Router<AppState> {
-    Router::new().route("/openapi.json", get(|| async { Json(ApiDoc::openapi()) }))
+/// The body of every error answer; a 409 adds fields of its own.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong, for a person to read.
+    pub error: String,
+}
+
+/// The 409 of `POST /ai-articles`: nothing was claimable.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct ClaimConflict {
+    pub error: String,
+    /// Always empty here.
+    pub claimed: Vec<i64>,
+    pub skipped: Vec<i64>,
+}
+
+/// The 409 of `POST /today-newsnack`: some issues cannot be published.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct AssembleConflict {
+    pub error: String,
+    /// Requested ids that are not `DONE` (unknown ones included).
+    pub not_done: Vec<i64>,
+    /// Requested ids `DONE` without an article (set `DONE` with plain SQL).
+    pub without_article: Vec<i64>,
+}
+
+/// A title: not blank, no NUL character. The class is exactly the
+/// characters [`char::is_whitespace`] takes for white space (and NUL).
+pub const TITLE_PATTERN: &str = "^[^\\u0000]*[^\\u0000\\t\\n\\u000b\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000][^\\u0000]*$";
+/// A body: no NUL character.
+pub const BODY_PATTERN: &str = "^[^\\u0000]*$";
+/// A `collected_at` whose year, as written, is from 0002 to 9998
+/// ([`input::COLLECTED_YEARS`]).
+pub const COLLECTED_AT_PATTERN: &str =
+    "^(000[2-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0-8])-";
+
+/// An issue's title.
+pub fn title_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .min_length(Some(1))
+        .max_length(Some(input::MAX_TITLE_CHARS))
+        .pattern(Some(TITLE_PATTERN))
+        .description(Some(
+            "Not blank (a character other than white space) and no NUL character",
+        ))
+}
+
+/// An issue's body (the source material).
+pub fn body_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .max_length(Some(input::MAX_BODY_CHARS))
+        .pattern(Some(BODY_PATTERN))
+        .default(Some(json!("")))
+        .description(Some("No NUL character"))
+}
+
+/// When an issue was collected (absent or `null`: now).
+pub fn collected_at_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+        .format(Some(SchemaFormat::KnownFormat(KnownFormat::DateTime)))
+        .pattern(Some(COLLECTED_AT_PATTERN))
+        .description(Some(
+            "RFC 3339, a year from 0002 to 9998 as written; absent or null: now",
+        ))
+}
+
+/// A list of 1 to [`input::MAX_IDS`] positive issue ids (repeats allowed).
+pub fn id_list_schema() -> ArrayBuilder {
+    ArrayBuilder::new()
+        .items(
+            ObjectBuilder::new()
+                .schema_type(Type::Integer)
+                .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+                .minimum(Some(1)),
+        )
+        .min_items(Some(1))
+        .max_items(Some(input::MAX_IDS))
+}
+
+/// The issues of one `POST /issues`: 1 to [`input::MAX_NEW_ISSUES`].
+pub fn new_issues_schema() -> ArrayBuilder {
+    ArrayBuilder::new()
+        .items(Ref::from_schema_name("NewIssueJson"))
+        .min_items(Some(1))
+        .max_items(Some(input::MAX_NEW_ISSUES))
+}
+
+/// The document as `GET /openapi.json` serves it: [`ApiDoc`] with the
+/// failures shared by operations of a kind (see the module docs), and the
+/// bearer scheme on every non-read operation when `token_required`.
+pub fn document(token_required: bool) -> Value {
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_else(|_| json!({}));
+    if token_required {
+        doc["components"]["securitySchemes"] = json!({
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "`Authorization: Bearer <NEWSNACK_API_TOKEN>`, on every request but reads"
+            }
+        });
+    }
+    for (path, method, status, name, link) in links() {
+        doc["paths"][path][method]["responses"][status]["links"][name] = link;
+    }
+    if let Some(paths) = doc["paths"].as_object_mut() {
+        for (path, item) in paths.iter_mut() {
+            let Some(operations) = item.as_object_mut() else {
+                continue;
+            };
+            for (method, operation) in operations.iter_mut() {
+                shared_failures(path, method, operation, token_required);
+            }
+        }
+    }
+    doc
+}
+
+/// How one answer leads to the next request (OpenAPI links, for clients
+/// and for stateful testing): path, method and status of the answer, the
+/// link's name, and the link.
+fn links() -> [(
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    Value,
+); 5] {
+    [
+        (
+            "/issues",
+            "post",
+            "201",
+            "FirstIssue",
+            json!({
+                "operationId": "show_issue",
+                "parameters": { "id": "$response.body#/ids/0" },
+                "description": "The first issue added"
+            }),
+        ),
+        (
+            "/issues",
+            "post",
+            "201",
+            "ClaimThem",
+            json!({
+                "operationId": "request_articles",
+                "requestBody": { "issue_ids": "$response.body#/ids" },
+                "description": "Claim the issues added, for generation"
+            }),
+        ),
+        (
+            "/ai-articles",
+            "post",
+            "202",
+            "WaitForThem",
+            json!({
+                "operationId": "wait_for",
+                "requestBody": { "issue_ids": "$response.body#/claimed" },
+                "description": "Wait for the claimed issues' articles"
+            }),
+        ),
+        (
+            "/ai-articles",
+            "post",
+            "202",
+            "FirstClaimed",
+            json!({
+                "operationId": "show_issue",
+                "parameters": { "id": "$response.body#/claimed/0" },
+                "description": "The first issue claimed"
+            }),
+        ),
+        (
+            "/today-newsnack",
+            "post",
+            "201",
+            "TheBriefing",
+            json!({
+                "operationId": "by_id",
+                "parameters": { "id": "$response.body#/briefing_id" },
+                "description": "The briefing assembled"
+            }),
+        ),
+    ]
+}
+
+/// Paths that answer without the database (`/readyz` documents its own
+/// 503, with its own body).
+const WITHOUT_DATABASE: &[&str] = &["/healthz", "/readyz"];
+
+/// Adds to `operation` the failures shared code answers (see the module
+/// docs), keeping any its annotation already gives.
+fn shared_failures(path: &str, method: &str, operation: &mut Value, token_required: bool) {
+    let has_body = operation.get("requestBody").is_some();
+    let has_path_id = operation["parameters"]
+        .as_array()
+        .is_some_and(|ps| ps.iter().any(|p| p["in"] == "path"));
+    let mut failures: Vec<(u16, &str, Option<Value>)> = Vec::new();
+    if has_body {
+        failures.extend([
+            (400, "The body is not JSON", None),
+            (413, "The body is larger than 1 MiB", None),
+            (
+                415,
+                "The body is not sent as `Content-Type: application/json`",
+                None,
+            ),
+            (
+                422,
+                "The JSON is not what the request schema says (a value of the wrong type, a missing or unknown field); nothing was done",
+                None,
+            ),
+        ]);
+    }
+    if has_path_id {
+        failures.push((400, "The path id is not a positive integer", None));
+    }
+    let writes = method != "get";
+    if writes && token_required {
+        operation["security"] = json!([{ "bearer": [] }]);
+        failures.push((
+            401,
+            "No `Authorization: Bearer` header, or a wrong token; nothing was done",
+            Some(json!({
+                "WWW-Authenticate": {
+                    "description": "`Bearer`",
+                    "required": true,
+                    "schema": { "type": "string" }
+                }
+            })),
+        ));
+    }
+    failures.push((
+        500,
+        "An internal fault (logged), or a stored date the service cannot represent (written with plain SQL; the message names the row and the column)",
+        None,
+    ));
+    if !WITHOUT_DATABASE.contains(&path) {
+        failures.push((
+            503,
+            "The database is out of reach, out of connections or read-only, or the server is shutting down; try again after `Retry-After` seconds",
+            Some(json!({
+                "Retry-After": {
+                    "description": "Seconds to wait before trying again",
+                    "required": true,
+                    "schema": { "type": "integer", "minimum": 0 }
+                }
+            })),
+        ));
+    }
+    if !operation["responses"].is_object() {
+        operation["responses"] = Value::Object(Map::new());
+    }
+    let responses = &mut operation["responses"];
+    for (status, description, headers) in failures {
+        let status = status.to_string();
+        if responses.get(&status).is_some() {
+            continue;
+        }
+        let mut response = json!({
+            "description": description,
+            "content": {
+                "application/json": {
+                    "schema": { "$ref": "#/components/schemas/ErrorBody" }
+                }
+            }
+        });
+        if let Some(headers) = headers {
+            response["headers"] = headers;
+        }
+        responses[status] = response;
+    }
+}
+
+pub fn router(token_required: bool) -> Router<AppState> {
+    let body: Arc<str> = document(token_required).to_string().into();
+    Router::new().route(
+        "/openapi.json",
+        get(move || {
+            let body = body.clone();
+            async move { ([(CONTENT_TYPE, "application/json")], body.to_string()) }
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every character is white space to [`TITLE_PATTERN`]'s class exactly
+    /// when it is to [`char::is_whitespace`], the rule
+    /// [`input::check_new_issues`] applies.
+    #[test]
+    fn the_title_pattern_names_exactly_rusts_white_space() {
+        let class = TITLE_PATTERN
+            .split_once("*[^\\u0000")
+            .and_then(|(_, rest)| rest.split_once(']'))
+            .map(|(class, _)| class)
+            .unwrap();
+        let mut listed: Vec<(char, char)> = Vec::new();
+        let mut rest = class;
+        let escape = |s: &str| -> (char, usize) {
+            match s.as_bytes()[1] {
+                b't' => ('\t', 2),
+                b'n' => ('\n', 2),
+                b'f' => ('\u{c}', 2),
+                b'r' => ('\r', 2),
+                b'u' => (
+                    char::from_u32(u32::from_str_radix(&s[2..6], 16).unwrap()).unwrap(),
+                    6,
+                ),
+                other => panic!("unexpected escape {}", other as char),
+            }
+        };
+        while !rest.is_empty() {
+            let (first, used) = if rest.starts_with('\\') {
+                escape(rest)
+            } else {
+                (rest.chars().next().unwrap(), 1)
+            };
+            rest = &rest[used..];
+            if let Some(after) = rest.strip_prefix('-') {
+                let (last, used) = escape(after);
+                listed.push((first, last));
+                rest = &after[used..];
+            } else {
+                listed.push((first, first));
+            }
+        }
+        for c in (0..=0x10FFFF).filter_map(char::from_u32) {
+            let in_class = listed.iter().any(|&(a, b)| (a..=b).contains(&c));
+            assert_eq!(in_class, c.is_whitespace(), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn bodies_and_path_ids_share_their_failures_and_writes_need_the_token() {
+        let open = document(false);
+        let post = &open["paths"]["/ai-articles"]["post"];
+        for status in ["400", "413", "415", "422", "500", "503"] {
+            assert!(post["responses"][status].is_object(), "{status}");
+        }
+        assert!(post["responses"]["401"].is_null());
+        assert!(post["security"].is_null());
+        assert!(open["components"]["securitySchemes"].is_null());
+
+        let guarded = document(true);
+        let post = &guarded["paths"]["/ai-articles"]["post"];
+        assert_eq!(post["security"], json!([{ "bearer": [] }]));
+        assert!(post["responses"]["401"]["headers"]["WWW-Authenticate"].is_object());
+        assert_eq!(
+            guarded["components"]["securitySchemes"]["bearer"]["scheme"],
+            "bearer"
+        );
+        let get = &guarded["paths"]["/issues/{id}"]["get"];
+        assert!(get["security"].is_null() && get["responses"]["401"].is_null());
+        for status in ["200", "400", "404", "500", "503"] {
+            assert!(get["responses"][status].is_object(), "{status}");
+        }
+        assert!(guarded["paths"]["/healthz"]["get"]["responses"]["503"].is_null());
+    }
 }

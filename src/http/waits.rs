@@ -8,6 +8,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{ApiError, ApiJson};
+use super::openapi::ErrorBody;
 use super::AppState;
 use crate::input;
 use crate::wait::{self, WaitError, WaitReport, WaitRequest};
@@ -22,16 +23,23 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WaitBody {
+    #[serde(deserialize_with = "crate::api_types::whole_ids")]
+    #[schema(schema_with = super::openapi::id_list_schema)]
     issue_ids: Vec<i64>,
+    /// Seconds (default: the `content_gen_timeout_s` setting).
+    #[schema(exclusive_minimum = 0, maximum = 86400)]
     timeout_s: Option<f64>,
+    /// How many targets must be `DONE` at the deadline for `timeout_pass`
+    /// (default: the `content_gen_min_completion` setting).
+    #[serde(default, deserialize_with = "crate::api_types::whole_option")]
+    #[schema(minimum = 0, maximum = 1000)]
     min_completion: Option<i64>,
 }
 
 /// The smart wait: answers the moment the outcome is decided.
 #[utoipa::path(post, path = "/waits", request_body = WaitBody, tag = "generation",
-    responses((status = 200, body = WaitReport), (status = 404, description = "unknown issue ids"),
-              (status = 422, description = "invalid request"),
-              (status = 503, description = "the server is shutting down, or the database is unavailable; try again")))]
+    responses((status = 200, body = WaitReport, description = "The outcome"),
+              (status = 404, body = ErrorBody, description = "Unknown issue ids")))]
 pub async fn wait_for(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<WaitBody>,

@@ -23,13 +23,13 @@ use super::{
 };
 
 /// What the model is told it is: the default of the `llm_system_prompt`
-/// setting (migration 16 holds the same text).
+/// setting (migration 17 holds the same text).
 pub const SYSTEM_PROMPT: &str = "You are a news writer for newsnack, a daily news briefing. \
 Write in a neutral, factual news tone. Use only the facts in the material you are given: \
 never invent names, numbers, quotes or dates. Answer in plain text, without Markdown.";
 
 /// What the model is asked to do, with the issue's title and details: the
-/// default of the `llm_user_prompt` setting (migration 16 holds the same
+/// default of the `llm_user_prompt` setting (migration 17 holds the same
 /// text). `{title}` and `{body}` stand for the issue's.
 pub const USER_PROMPT_TEMPLATE: &str = "Write a headline and a short news article \
 (3 to 5 short paragraphs) about the story below.\n\

@@ -10,6 +10,7 @@ pub mod fake_llm;
 pub mod gate;
 pub mod pgbouncer;
 pub mod process;
+pub mod python;
 pub mod subscribers;
 pub mod tls;
 
@@ -210,6 +211,21 @@ impl TestDb {
         let mut config = self.config.clone();
         config.application_name("other-system");
         let (client, connection) = config.connect(NoTls).await.expect("connect");
+        tokio::spawn(connection);
+        client
+    }
+
+    /// A session on the server's maintenance database, for what a
+    /// database's own sessions cannot do to it (close it to new sessions,
+    /// change its settings, cut its sessions).
+    pub async fn maintenance(&self) -> Client {
+        let (client, connection) = self
+            .config
+            .clone()
+            .dbname("postgres")
+            .connect(NoTls)
+            .await
+            .expect("connect to the maintenance database");
         tokio::spawn(connection);
         client
     }
@@ -443,6 +459,27 @@ pub async fn until_published(hub: &TransitionHub, seq: i64) {
     )
     .await
     .expect("the listener is running");
+}
+
+/// Rows `statement` read from `table`, by scanning it or as entries of its
+/// indexes, whatever runs them (a function's own statements included): the
+/// server's counters for the transaction, run for real inside one that is
+/// rolled back.
+pub async fn rows_read_for_real(client: &Client, table: &str, statement: &str) -> i64 {
+    client.batch_execute("BEGIN").await.unwrap();
+    client.batch_execute(statement).await.unwrap();
+    let read: i64 = client
+        .query_one(
+            "SELECT (pg_stat_get_xact_tuples_returned(to_regclass($1))
+                     + (SELECT COALESCE(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)
+                          FROM pg_index WHERE indrelid = to_regclass($1)))::bigint",
+            &[&table],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    client.batch_execute("ROLLBACK").await.unwrap();
+    read
 }
 
 /// Rows `statement` read from `table`, by scanning it or as entries of its

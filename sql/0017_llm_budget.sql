@@ -1,4 +1,4 @@
--- 0016: generation under one LLM budget, shared by every instance; token
+-- 0017: generation under one LLM budget, shared by every instance; token
 -- usage; prompts, the readers' time zone and the briefing's title as
 -- settings.
 --
@@ -400,3 +400,50 @@ BEGIN
     END IF;
 END
 $$;
+
+-- The completion records the tokens the API reported (migration 16 made it
+-- a function; its statement as src/db/issue.rs documents it).
+
+DROP FUNCTION @extschema@.newsnack_complete(bigint[], bigint[], text[], text[], text);
+
+CREATE FUNCTION @extschema@.newsnack_complete(
+    ids bigint[], claim_ids bigint[], headlines text[], bodies text[], writer text,
+    prompt_tokens integer[], completion_tokens integer[]
+) RETURNS TABLE (id bigint, claim_id bigint, written boolean)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH input AS (
+         SELECT * FROM unnest(ids, claim_ids, headlines, bodies, prompt_tokens, completion_tokens)
+                  AS t(id, claim_id, headline, body, prompt_tokens, completion_tokens)
+     ), current AS (
+         SELECT i.id, i.claim_id FROM @extschema@.issue i JOIN input USING (id, claim_id)
+          WHERE i.id = ANY(ids) AND i.processing_status = 'IN_PROGRESS'
+     ), free AS MATERIALIZED (
+         SELECT i.id FROM @extschema@.issue i JOIN current USING (id, claim_id)
+          WHERE i.id = ANY(ids) AND i.processing_status = 'IN_PROGRESS'
+          ORDER BY i.id FOR UPDATE OF i SKIP LOCKED
+     ), done AS (
+         UPDATE @extschema@.issue i SET processing_status = 'DONE'
+           FROM current
+          WHERE i.id = ANY(ids) AND i.id IN (SELECT f.id FROM free f)
+            AND i.id = current.id AND i.claim_id = current.claim_id
+      RETURNING i.id, i.claim_id
+     ), written AS (
+         INSERT INTO @extschema@.ai_article (issue_id, headline, body, writer, claim_id,
+                                             prompt_tokens, completion_tokens)
+         SELECT d.id, input.headline, input.body, writer, d.claim_id,
+                input.prompt_tokens, input.completion_tokens
+           FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
+      RETURNING issue_id, claim_id
+     )
+     SELECT c.id, c.claim_id, w.issue_id IS NOT NULL
+       FROM current c
+       LEFT JOIN written w ON w.issue_id = c.id AND w.claim_id = c.claim_id;
+END
+$$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.newsnack_complete(bigint[], bigint[], text[], text[], text,
+                                                         integer[], integer[])
+    FROM PUBLIC;

@@ -1,0 +1,222 @@
+//! Benchmark: what one claim costs the database, in instructions, by how
+//! the statement reaches it. Prints one JSON object. Deterministic: it
+//! counts instructions under valgrind (callgrind), so a busy machine slows
+//! it down but does not change its figures.
+//!
+//! A throwaway cluster is created and migrated, given [`ISSUES`] issues,
+//! and stopped; then `postgres --single` runs, under callgrind, a script of
+//! [`CLAIMS`] one-id claims (each on a fresh issue, each its own
+//! transaction, with the transition triggers), once per way:
+//!
+//! - `prepared_generic`: a named prepared statement with a generic plan,
+//!   what the service sent before it had to work through a transaction
+//!   pooler (the statement is `newsnack_claim`'s, taken from the catalogue);
+//! - `unnamed`: the same statement parsed and planned on every call, as an
+//!   unnamed statement is (its values written into it);
+//! - `function`: the call of `newsnack_claim` (migration 16), sent unnamed,
+//!   whose statement keeps its generic plan in the session: what the
+//!   service sends now.
+//!
+//! Each script is also run with no claims; the difference, divided by
+//! [`CLAIMS`], is the cost of one claim. Needs valgrind (`apt-get install
+//! valgrind`). `cargo bench --bench claim_cost`; about two minutes.
+
+mod common;
+
+use common::round3;
+
+use std::process::{Command, Stdio};
+
+use newsnack::embedded::{find_bin_dir, unprivileged_user, EmbeddedOptions, EmbeddedPostgres};
+
+const ISSUES: i64 = 20_000;
+const CLAIMS: i64 = 300;
+
+#[tokio::main]
+async fn main() {
+    assert!(
+        Command::new("valgrind").arg("--version").output().is_ok(),
+        "valgrind is not installed: apt-get install valgrind"
+    );
+    let mut cluster = tokio::task::spawn_blocking(|| {
+        EmbeddedPostgres::start(&EmbeddedOptions {
+            durable: true,
+            ..EmbeddedOptions::default()
+        })
+    })
+    .await
+    .unwrap()
+    .expect("start a throwaway cluster");
+    let endpoint = newsnack::db::Endpoint::parse(&cluster.url("postgres"), "bench").unwrap();
+    let mut client = endpoint.connect().await.unwrap();
+    newsnack::db::migrate::migrate(&mut client).await.unwrap();
+    client
+        .batch_execute(&format!(
+            "INSERT INTO issue (title, body)
+             SELECT 'issue ' || g, repeat('A sentence of the source. ', 20)
+               FROM generate_series(1, {ISSUES}) g"
+        ))
+        .await
+        .unwrap();
+    client.batch_execute("VACUUM ANALYZE issue").await.unwrap();
+    let source: String = client
+        .query_one(
+            "SELECT prosrc FROM pg_proc WHERE proname = 'newsnack_claim'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    drop(client);
+    let statement = claim_statement(&source);
+    let dir = cluster
+        .dir()
+        .expect("the cluster's directory")
+        .to_path_buf();
+    cluster.shutdown();
+
+    let ways: [(&str, ClaimText); 3] = [
+        (
+            "prepared_generic",
+            Box::new(|id| format!("EXECUTE claim('{{{id}}}', 'bench', 60, NULL)")),
+        ),
+        (
+            "unnamed",
+            Box::new(|id| {
+                statement
+                    .replace("$1::bigint[]", &format!("'{{{id}}}'::bigint[]"))
+                    .replace("$2", "'bench'")
+                    .replace("$3::float8", "60::float8")
+                    .replace("$4::integer", "NULL::integer")
+            }),
+        ),
+        (
+            "function",
+            Box::new(|id| {
+                format!("SELECT * FROM newsnack_claim('{{{id}}}'::bigint[], 'bench', 60, NULL)")
+            }),
+        ),
+    ];
+    // A generic plan for the prepared statement, as the service's sessions
+    // were started with; it changes nothing for the other two (a statement
+    // with its values written in is planned once, for them; the function
+    // sets its own).
+    let prelude = format!(
+        "SET plan_cache_mode = force_generic_plan;\n\n\
+         PREPARE claim(bigint[], text, float8, integer) AS {statement};\n\n"
+    );
+    let mut report = serde_json::Map::new();
+    let mut next_id = 1;
+    for (way, claim) in &ways {
+        let mut script = prelude.clone();
+        let empty = instructions(&dir, &script);
+        for _ in 0..CLAIMS {
+            script.push_str(&claim(next_id));
+            script.push_str(";\n\n");
+            next_id += 1;
+        }
+        let full = instructions(&dir, &script);
+        let per_claim = (full - empty) as f64 / CLAIMS as f64;
+        report.insert(
+            format!("{way}_instructions_per_claim"),
+            serde_json::json!(per_claim.round()),
+        );
+    }
+    let get = |way: &str| {
+        report[&format!("{way}_instructions_per_claim")]
+            .as_f64()
+            .unwrap()
+    };
+    let (prepared, unnamed, function) = (get("prepared_generic"), get("unnamed"), get("function"));
+    let out = serde_json::json!({
+        "benchmark": "database instructions per one-id claim, by how the statement is sent",
+        "claims": CLAIMS,
+        "issues": ISSUES,
+        "instructions_per_claim": report,
+        "unnamed_vs_prepared": round3(unnamed / prepared),
+        "function_vs_prepared": round3(function / prepared),
+    });
+    println!("{}", serde_json::to_string_pretty(&out).unwrap());
+    tokio::task::spawn_blocking(move || drop(cluster))
+        .await
+        .unwrap();
+}
+
+/// The text of one claim of issue `id`, the way it is sent.
+type ClaimText<'a> = Box<dyn Fn(i64) -> String + 'a>;
+
+/// The statement of `newsnack_claim`'s body, with its variables as the
+/// numbered parameters of a prepared statement.
+fn claim_statement(source: &str) -> String {
+    let start = source
+        .find("RETURN QUERY")
+        .expect("RETURN QUERY in newsnack_claim")
+        + 12;
+    let end = source[start..].rfind(';').expect("the statement's end") + start;
+    let mut statement = source[start..end].to_string();
+    for (name, parameter) in [
+        ("retry_below", "$4::integer"),
+        ("lease_s", "$3::float8"),
+        ("holder", "$2"),
+        ("ids", "$1::bigint[]"),
+    ] {
+        statement = replace_word(&statement, name, parameter);
+    }
+    statement.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// `text` with every whole-word `word` replaced by `by`.
+fn replace_word(text: &str, word: &str, by: &str) -> String {
+    let is_word = |c: char| c.is_alphanumeric() || c == '_';
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(word) {
+        let before = rest[..at].chars().next_back();
+        let after = rest[at + word.len()..].chars().next();
+        out.push_str(&rest[..at]);
+        if before.is_some_and(is_word) || after.is_some_and(is_word) {
+            out.push_str(word);
+        } else {
+            out.push_str(by);
+        }
+        rest = &rest[at + word.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Instructions `postgres --single` executes for `script` on the stopped
+/// cluster in `dir`, counted by callgrind.
+fn instructions(dir: &std::path::Path, script: &str) -> u64 {
+    let bin = find_bin_dir().expect("server binaries");
+    let out_file = dir.join("callgrind.out");
+    let script_file = dir.join("script.sql");
+    std::fs::write(&script_file, script).unwrap();
+    let mut command = Command::new("valgrind");
+    command
+        .arg("--tool=callgrind")
+        .arg(format!("--callgrind-out-file={}", out_file.display()))
+        .arg(bin.join("postgres"))
+        .args(["--single", "-j", "-D"])
+        .arg(dir.join("data"))
+        .arg("postgres")
+        .stdin(std::fs::File::open(&script_file).unwrap())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some((uid, gid)) = unprivileged_user().unwrap() {
+        use std::os::unix::process::CommandExt;
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid)).unwrap();
+        command.uid(uid).gid(gid);
+    }
+    let status = command.status().expect("run valgrind");
+    assert!(status.success(), "postgres --single under callgrind failed");
+    let profile = std::fs::read_to_string(&out_file).unwrap();
+    profile
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("summary: ")
+                .or_else(|| l.strip_prefix("totals: "))
+        })
+        .and_then(|n| n.split_whitespace().next()?.parse().ok())
+        .expect("a summary in callgrind's output")
+}

@@ -1,0 +1,112 @@
+//! Where log lines and status lines go, and what happens when they cannot
+//! go there.
+//!
+//! Logs go to stderr (`RUST_LOG` picks levels, `NEWSNACK_LOG_FORMAT=json`
+//! switches to JSON lines); the few status lines the long-running commands
+//! print (where `serve` listens, a warning of `tail`) go to stdout or
+//! stderr. A destination that fails — a pipe whose reader went away (a log
+//! shipper restarting), a full disk — loses those lines, counted in
+//! `newsnack_log_lines_dropped_total`, and nothing else: no write error is
+//! raised, retried or turned into a panic, so requests, signals and
+//! shutdown go on as usual. (`tracing-subscriber`'s own writer reports a
+//! failed write with `eprintln!`, which panics when stderr is what failed:
+//! the panic took down whichever task was logging, a request's or the
+//! signal handler's.)
+
+use std::io::Write;
+
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::EnvFilter;
+
+/// Starts logging to stderr through [`LossyStderr`]; `RUST_LOG` picks
+/// levels (otherwise `default`), `NEWSNACK_LOG_FORMAT=json` switches to
+/// JSON lines.
+pub fn init(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(LossyStderr)
+        .log_internal_errors(false);
+    if std::env::var("NEWSNACK_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+/// Makes one [`LossyLine`] per log event: stderr, whose failures are
+/// counted, never reported.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LossyStderr;
+
+impl<'a> MakeWriter<'a> for LossyStderr {
+    type Writer = LossyLine;
+
+    fn make_writer(&'a self) -> LossyLine {
+        LossyLine {
+            to: Stream::Stderr,
+            failed: false,
+        }
+    }
+}
+
+/// The two standard streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// One line on its way to a standard stream. Every write succeeds as far
+/// as the caller can tell; if any part of the line could not be written,
+/// the line counts as dropped (once) when the writer is dropped.
+#[derive(Debug)]
+pub struct LossyLine {
+    to: Stream,
+    failed: bool,
+}
+
+impl Write for LossyLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if !self.failed {
+            let written = match self.to {
+                Stream::Stdout => {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(buf).and_then(|()| out.flush())
+                }
+                Stream::Stderr => std::io::stderr().lock().write_all(buf),
+            };
+            self.failed = written.is_err();
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LossyLine {
+    fn drop(&mut self) {
+        if self.failed {
+            crate::metrics::log_line_dropped();
+        }
+    }
+}
+
+/// Prints one line on stdout; a line that cannot be written is counted as
+/// dropped, never a panic (as `println!` would).
+pub fn print_line(line: std::fmt::Arguments<'_>) {
+    write_line(Stream::Stdout, line);
+}
+
+/// Prints one line on stderr; a line that cannot be written is counted as
+/// dropped, never a panic (as `eprintln!` would).
+pub fn eprint_line(line: std::fmt::Arguments<'_>) {
+    write_line(Stream::Stderr, line);
+}
+
+fn write_line(to: Stream, line: std::fmt::Arguments<'_>) {
+    let mut writer = LossyLine { to, failed: false };
+    let _ = writer.write_all(format!("{line}\n").as_bytes());
+}

@@ -1,0 +1,84 @@
+//! Python tools the tests run for real (Apache Airflow, Schemathesis),
+//! installed from PyPI into virtual environments cached between runs: under
+//! `$NEWSNACK_TEST_CACHE`, else `$XDG_CACHE_HOME/newsnack-tests`, else
+//! `~/.cache/newsnack-tests`, one per pinned set of requirements. A missing
+//! `python3` or `venv` fails the test with what to install: nothing passes
+//! by skipping.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// `python3`, or a panic that says how to get it.
+pub fn python3() -> &'static str {
+    match Command::new("python3").arg("--version").output() {
+        Ok(out) if out.status.success() => "python3",
+        _ => panic!(
+            "python3 is not installed: `apt-get install python3 python3-venv` \
+             (the README's test command, scripts/test, installs it)"
+        ),
+    }
+}
+
+fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("NEWSNACK_TEST_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("newsnack-tests")
+}
+
+/// The `bin` directory of a virtual environment named `name` holding
+/// exactly `requirements` (pip specifiers, pinned), made on first use.
+/// Blocking (an install takes minutes): call it from `spawn_blocking`.
+/// Several test processes asking at once install it once.
+pub fn venv(name: &str, requirements: &[&str]) -> PathBuf {
+    let python = python3();
+    let cache = cache_dir();
+    std::fs::create_dir_all(&cache).unwrap();
+    let tag: u64 = requirements
+        .iter()
+        .flat_map(|r| r.bytes().chain(std::iter::once(0)))
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+    let dir = cache.join(format!("{name}-{tag:016x}"));
+    let lock = File::create(cache.join(format!("{name}.lock"))).unwrap();
+    // SAFETY: flock on a file descriptor this function owns; released when
+    // `lock` is dropped.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let done = dir.join(".installed");
+    if !done.exists() {
+        let _ = std::fs::remove_dir_all(&dir);
+        eprintln!(
+            "installing {requirements:?} into {} (cached for later runs)",
+            dir.display()
+        );
+        let made = Command::new(python)
+            .args(["-m", "venv"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            made.status.success(),
+            "python3 -m venv failed: {} (on Debian: apt-get install python3-venv)",
+            String::from_utf8_lossy(&made.stderr)
+        );
+        let installed = Command::new(dir.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check"])
+            .args(requirements)
+            .output()
+            .unwrap();
+        assert!(
+            installed.status.success(),
+            "pip install {requirements:?} failed: {}",
+            String::from_utf8_lossy(&installed.stderr)
+        );
+        std::fs::write(&done, requirements.join("\n")).unwrap();
+    }
+    dir.join("bin")
+}
