@@ -680,6 +680,7 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
                     .await
                     .unwrap();
                 continue;
+            }
             table if table.starts_with("TABLE(") => {
                 "LANGUAGE plpgsql AS $$BEGIN RETURN; END$$".into()
             }
