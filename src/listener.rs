@@ -1,15 +1,16 @@
 //! The one LISTEN connection of a process and the hub that fans its
 //! transitions out to any number of in-process subscribers.
 //!
-//! NOTIFY is the doorbell, `issue_transition` is the truth. Anyone may send
-//! a notification on any channel, so a payload is never published: a
-//! notification that names a `seq` not yet published makes the listener
-//! read the log after the last published `seq`, and what the log holds is
-//! published, strictly in `seq` order, each exactly once. A forged
-//! notification thus reaches no subscriber and cannot make a real
-//! transition look like a repeat. Notifications already queued (a commit's
-//! transitions arrive together) are taken in one go, so one read serves
-//! them all.
+//! `issue_transition` is the truth. Anyone may send a notification on any
+//! channel, so a payload is published only when the log's trigger signed
+//! it (an HMAC with a key only the owner reads, migration 18) and it
+//! follows the last published `seq`. Any other notification that names a
+//! `seq` not yet published is a doorbell: the listener reads the log after
+//! the last published `seq`, and what the log holds is published, strictly
+//! in `seq` order, each exactly once. A forged notification thus reaches no
+//! subscriber and cannot make a real transition look like a repeat.
+//! Notifications already queued (a commit's transitions arrive together)
+//! are taken in one go, so one read serves them all.
 //!
 //! The listener owns a dedicated session outside the pool (a pool drives
 //! its connections itself and would drop notifications), on the direct
@@ -36,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, DbError, DbPool};
 use crate::stream::TransitionStream;
-use crate::transition::Transition;
+use crate::transition::{NotificationKey, Transition};
 
 /// The channel transitions are announced on (fixed by the contract).
 pub const TRANSITION_CHANNEL: &str = "issue_transition";
@@ -71,6 +72,11 @@ pub struct ListenerOptions {
     /// log costs against it in one run.
     #[doc(hidden)]
     pub trust_payloads: bool,
+    /// Reads the log on every notification, signed or not: what the
+    /// listener does when it cannot read the key. Kept so a benchmark can
+    /// measure it against the signed payloads in one run.
+    #[doc(hidden)]
+    pub read_log_always: bool,
 }
 
 impl Default for ListenerOptions {
@@ -83,6 +89,7 @@ impl Default for ListenerOptions {
             capacity: 4096,
             probe_timeout: Duration::from_secs(5),
             trust_payloads: false,
+            read_log_always: false,
         }
     }
 }
@@ -308,6 +315,9 @@ pub struct Listener {
     /// Read and in order, not yet sent to subscribers (see
     /// [`Listener::flush`]).
     unsent: Vec<Transition>,
+    /// What notifications signed by the log's trigger are checked with,
+    /// read on every new session; `None` when it cannot be read.
+    key: Option<NotificationKey>,
 }
 
 /// A connected, listening session.
@@ -354,6 +364,7 @@ impl Listener {
             budget_doorbells: budget_doorbells.clone(),
             last_seq: 0,
             unsent: Vec::new(),
+            key: None,
         };
         let stop = shutdown.child_token();
         let stop_listener = stop.clone().drop_guard();
@@ -513,6 +524,9 @@ impl Listener {
         shutdown: &CancellationToken,
         backoff: &mut Duration,
     ) -> SessionEnd {
+        if let Err(e) = self.read_key(&session.client).await {
+            return SessionEnd::Lost(format!("cannot read the notification key: {e}"));
+        }
         // LISTEN is already active, so nothing can fall between this read
         // and the first notification.
         if let Err(e) = self.catch_up(&session.client).await {
@@ -583,9 +597,11 @@ impl Listener {
         }
     }
 
-    /// Takes a batch of notifications in order: transition doorbells read
-    /// the log (once for the batch, before anything that must come after
-    /// them), setting changes and removals are announced.
+    /// Takes a batch of notifications in order. A transition signed by the
+    /// log's trigger that follows the last one published is published as
+    /// it comes; any other (unsigned, signed with another key, after a gap)
+    /// is a doorbell: the log is read, once for the batch, before anything
+    /// that must come after it. Setting changes and removals are announced.
     async fn on_notifications(
         &mut self,
         client: &Client,
@@ -593,19 +609,32 @@ impl Listener {
     ) -> Result<(), DbError> {
         // The highest `seq` a doorbell named that is not yet published.
         let mut rung: Option<i64> = None;
+        // The highest `seq` whose MAC did not check out: if the log holds
+        // it, the key was rotated.
+        let mut unsigned: Option<i64> = None;
         for note in batch {
             match note.channel() {
                 TRANSITION_CHANNEL if self.options.trust_payloads => {
                     self.on_trusted_payload(client, &note).await?
                 }
-                TRANSITION_CHANNEL => match Transition::from_payload(note.payload()) {
-                    Ok(t) if t.seq <= self.last_seq => {}
-                    Ok(t) => rung = Some(rung.map_or(t.seq, |r| r.max(t.seq))),
-                    Err(e) => {
-                        tracing::warn!(error = %e, payload = note.payload(), "unreadable transition payload; reading the log");
-                        rung = Some(rung.unwrap_or(self.last_seq + 1));
+                TRANSITION_CHANNEL => {
+                    match self.key.as_ref().and_then(|key| key.verify(note.payload())) {
+                        Some(t) if t.seq <= self.last_seq => {}
+                        Some(t) if t.seq == self.last_seq + 1 => self.publish(t),
+                        Some(t) => rung = rung.max(Some(t.seq)),
+                        None => match Transition::from_payload(note.payload()) {
+                            Ok(t) if t.seq <= self.last_seq => {}
+                            Ok(t) => {
+                                rung = rung.max(Some(t.seq));
+                                unsigned = unsigned.max(Some(t.seq));
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, payload = note.payload(), "unreadable transition payload; reading the log");
+                                rung = rung.max(Some(self.last_seq + 1));
+                            }
+                        },
                     }
-                },
+                }
                 SETTINGS_CHANNEL => self.settings_changed.send_modify(|v| *v += 1),
                 BUDGET_CHANNEL => {
                     // Nobody listening is fine: no calls wait here.
@@ -633,6 +662,22 @@ impl Listener {
                 );
             }
         }
+        if unsigned.is_some_and(|seq| seq <= self.last_seq) && self.key.is_some() {
+            tracing::info!("a transition the log holds came with a MAC this listener's key does not make: reading the key again");
+            self.read_key(client).await?;
+        }
+        self.flush();
+        Ok(())
+    }
+
+    /// Reads the key the log's trigger signs with.
+    async fn read_key(&mut self, client: &Client) -> Result<(), DbError> {
+        if self.options.read_log_always {
+            return Ok(());
+        }
+        self.key = db::transition::notification_key(client)
+            .await?
+            .map(|key| NotificationKey::new(&key));
         Ok(())
     }
 

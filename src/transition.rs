@@ -1,6 +1,8 @@
 //! One status change of one issue: a row of `issue_transition` and the JSON
-//! payload of `NOTIFY issue_transition`.
+//! payload of `NOTIFY issue_transition`, with the MAC that shows the log's
+//! trigger sent it (migration 18).
 
+use hmac::{KeyInit, Mac};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
@@ -32,6 +34,76 @@ impl Transition {
     }
 }
 
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// What the trigger puts between the payload (its closing brace dropped)
+/// and the MAC's hex digits; a closing `"}` follows them.
+const MAC_FIELD: &str = ", \"mac\" : \"";
+/// An HMAC-SHA256, in hex.
+const MAC_HEX_DIGITS: usize = 64;
+
+/// The key the log's trigger signs notifications with (`notification_key`,
+/// readable by the owner only). Anyone may `NOTIFY` on the channel; only
+/// the trigger, running as the owner, can sign.
+#[derive(Clone)]
+pub struct NotificationKey(HmacSha256);
+
+impl std::fmt::Debug for NotificationKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NotificationKey(..)")
+    }
+}
+
+impl NotificationKey {
+    pub fn new(key: &[u8]) -> Self {
+        // HMAC takes a key of any length.
+        NotificationKey(HmacSha256::new_from_slice(key).expect("HMAC accepts any key length"))
+    }
+
+    /// The transition a payload announces, if its MAC was made with this
+    /// key over the rest of it; `None` for anything else (no MAC, a wrong
+    /// one, a payload changed after signing).
+    pub fn verify(&self, payload: &str) -> Option<Transition> {
+        let tag_start = payload.len().checked_sub(MAC_HEX_DIGITS + 2)?;
+        let body_end = tag_start.checked_sub(MAC_FIELD.len())?;
+        if payload.get(body_end..tag_start)? != MAC_FIELD || !payload.ends_with("\"}") {
+            return None;
+        }
+        let tag = decode_hex(payload.get(tag_start..tag_start + MAC_HEX_DIGITS)?)?;
+        let signed = format!("{}}}", payload.get(..body_end)?);
+        let mut mac = self.0.clone();
+        mac.update(signed.as_bytes());
+        mac.verify_slice(&tag).ok()?;
+        Transition::from_payload(&signed).ok()
+    }
+
+    /// `payload` signed as the trigger signs it (for tests: only the
+    /// owner holds the key).
+    pub fn sign(&self, payload: &str) -> String {
+        let mut mac = self.0.clone();
+        mac.update(payload.as_bytes());
+        let tag: String = mac
+            .finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let body = payload.strip_suffix('}').unwrap_or(payload);
+        format!("{body}{MAC_FIELD}{tag}\"}}")
+    }
+}
+
+fn decode_hex(hex: &str) -> Option<Vec<u8>> {
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    hex.as_bytes()
+        .chunks(2)
+        .map(|pair| match pair {
+            [hi, lo] => Some(digit(*hi)? << 4 | digit(*lo)?),
+            _ => None,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -47,5 +119,51 @@ mod tests {
         assert_eq!(t.at.microsecond(), 123_456);
         let again = Transition::from_payload(&serde_json::to_string(&t).unwrap()).unwrap();
         assert_eq!(again, t);
+    }
+
+    #[test]
+    fn a_signed_payload_verifies_with_its_key_only_and_unchanged() {
+        let payload = r#"{"seq" : 42, "issue_id" : 7, "from" : null, "to" : "PENDING", "at" : "2026-11-29T20:14:12.123456+00:00"}"#;
+        let key = NotificationKey::new(&[7; 32]);
+        let signed = key.sign(payload);
+        assert!(
+            signed.starts_with(&payload[..payload.len() - 1]),
+            "{signed}"
+        );
+        assert_eq!(key.verify(&signed), Transition::from_payload(payload).ok());
+        assert_eq!(NotificationKey::new(&[8; 32]).verify(&signed), None);
+        assert_eq!(key.verify(payload), None, "unsigned");
+        assert_eq!(
+            key.verify(&signed.replace("\"seq\" : 42", "\"seq\" : 43")),
+            None
+        );
+        let mut flipped = signed.clone().into_bytes();
+        let last_digit = flipped.len() - 3;
+        flipped[last_digit] = if flipped[last_digit] == b'0' {
+            b'1'
+        } else {
+            b'0'
+        };
+        assert_eq!(key.verify(&String::from_utf8(flipped).unwrap()), None);
+        for bad in [
+            "",
+            "}",
+            "\"}",
+            "é\"}",
+            &signed[1..],
+            &signed.replace("\"}", "\" }"),
+        ] {
+            assert_eq!(key.verify(bad), None, "{bad}");
+        }
+    }
+
+    /// RFC 4231, test case 2: the MAC is HMAC-SHA256, as the trigger makes it.
+    #[test]
+    fn the_mac_is_hmac_sha256() {
+        let signed = NotificationKey::new(b"Jefe").sign("what do ya want for nothing?");
+        assert!(
+            signed.ends_with("5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843\"}"),
+            "{signed}"
+        );
     }
 }

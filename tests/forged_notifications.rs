@@ -5,7 +5,10 @@
 //! subscriber (the hub, the gapless stream, `GET /events`, `newsnack tail`,
 //! a smart wait), and the real transition that later takes the forged `seq`
 //! is published like any other. The same forgery fools a listener that
-//! trusts payloads, which shows the test can fail.
+//! trusts payloads, which shows the test can fail. A payload is trusted
+//! only with the MAC the log's trigger signs it with (migration 18): one
+//! signed with another key, or with the MAC of another payload, is a
+//! doorbell like any other.
 
 mod common;
 
@@ -15,6 +18,7 @@ use common::subscribers::Recording;
 use common::{until_published, within, TestDb};
 use newsnack::listener::ListenerOptions;
 use newsnack::status::Status;
+use newsnack::transition::NotificationKey;
 use newsnack::writer::OfflineWriter;
 use serde_json::json;
 
@@ -38,20 +42,27 @@ async fn forger(db: &TestDb) -> tokio_postgres::Client {
 }
 
 /// Sends the forgeries: `victim` `IN_PROGRESS -> DONE` under the next
-/// `seq`, the same far ahead and behind, and a payload that is not JSON.
+/// `seq`, the same far ahead and behind, each unsigned, signed with a key
+/// of the forger's and with a MAC made up, and a payload that is not JSON.
 async fn forge(forger: &tokio_postgres::Client, last_seq: i64, victim: i64) {
+    let forgers_key = NotificationKey::new(&[0x42; 32]);
     for seq in [last_seq + 1, last_seq + 1_000_000, (last_seq - 1).max(1)] {
         let payload = json!({
             "seq": seq, "issue_id": victim, "from": "IN_PROGRESS", "to": "DONE",
             "at": "2026-12-01T00:00:00Z", "attempts": 1, "fatal": false,
-        });
-        forger
-            .execute(
-                "SELECT pg_notify('issue_transition', $1)",
-                &[&payload.to_string()],
-            )
-            .await
-            .unwrap();
+        })
+        .to_string();
+        let made_up = format!(
+            "{}, \"mac\" : \"{}\"}}",
+            payload.strip_suffix('}').unwrap(),
+            "ab".repeat(32)
+        );
+        for forged in [payload.clone(), forgers_key.sign(&payload), made_up] {
+            forger
+                .execute("SELECT pg_notify('issue_transition', $1)", &[&forged])
+                .await
+                .unwrap();
+        }
     }
     forger
         .execute("SELECT pg_notify('issue_transition', 'not json')", &[])
@@ -188,4 +199,73 @@ async fn the_event_stream_the_tail_and_a_wait_see_only_the_log() {
         );
     }
     service.stop().await.unwrap();
+}
+
+/// The key in the database, as the owner reads it.
+async fn key_in(db: &TestDb) -> NotificationKey {
+    let key: Vec<u8> = db
+        .raw()
+        .await
+        .query_one("SELECT key FROM notification_key", &[])
+        .await
+        .unwrap()
+        .get(0);
+    NotificationKey::new(&key)
+}
+
+/// What the trigger signs, the listener verifies: the payload a plain
+/// `LISTEN` session receives checks out with the owner's key and says what
+/// the log holds; after the key is rotated, the old key no longer verifies
+/// and the listener still publishes every transition, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trigger_signs_with_the_owners_key_and_a_rotation_loses_nothing() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(2).await;
+    let (client, mut connection) = db.config.connect(tokio_postgres::NoTls).await.unwrap();
+    let (tx, mut notes) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = futures::StreamExt::next(&mut messages).await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = tx.send(n.payload().to_string());
+            }
+        }
+    });
+    client
+        .batch_execute("LISTEN issue_transition")
+        .await
+        .unwrap();
+    let (hub, stop) = db.listener().await;
+    let mut live = hub.subscribe();
+    let old_key = key_in(&db).await;
+
+    db.move_with_sql(&[ids[0]], &["IN_PROGRESS"]).await;
+    let payload = within(10, "a notification", notes.recv()).await.unwrap();
+    let signed = old_key.verify(&payload).expect("signed with the key");
+    let published = within(10, "published", live.recv()).await.unwrap();
+    assert_eq!(signed, published, "the payload says what the log holds");
+
+    db.raw()
+        .await
+        .batch_execute("SELECT newsnack_rotate_notification_key()")
+        .await
+        .unwrap();
+    let new_key = key_in(&db).await;
+    db.move_with_sql(&[ids[0]], &["DONE"]).await;
+    db.move_with_sql(&[ids[1]], &["IN_PROGRESS", "DONE"]).await;
+    let mut after = Vec::new();
+    for _ in 0..3 {
+        let payload = within(10, "a notification", notes.recv()).await.unwrap();
+        assert_eq!(old_key.verify(&payload), None, "{payload}");
+        after.push(new_key.verify(&payload).expect("signed with the new key"));
+    }
+    for expected in after {
+        let published = within(10, "published", live.recv()).await.unwrap();
+        assert_eq!(published, expected);
+    }
+    assert_eq!(
+        hub.status().borrow().last_seq,
+        db.scalar_i64("SELECT max(seq) FROM issue_transition").await
+    );
+    stop.cancel();
 }

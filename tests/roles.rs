@@ -19,7 +19,8 @@ use tokio::sync::mpsc;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Client, NoTls, Notification};
 
-/// Every table of the schema, as `grant` names them.
+/// Every table of the schema a granted role may read, as `grant` names
+/// them: all but `notification_key`, which signs the log's notifications.
 const TABLES: [&str; 12] = [
     "ai_article",
     "briefing",
@@ -590,6 +591,8 @@ async fn a_writer_may_do_nothing_else() {
         "SET session_replication_role = replica",
         "SELECT public.issue_transition_record()",
         "SELECT public.setting_validate()",
+        "SELECT * FROM notification_key",
+        "SELECT public.newsnack_rotate_notification_key()",
     ] {
         refused(&w, statement).await;
     }
@@ -635,6 +638,8 @@ async fn a_reader_reads_everything_and_writes_nothing() {
         "DELETE FROM briefing".into(),
         "SELECT nextval('issue_claim_id_seq')".into(),
         "CREATE TABLE public.mine (x int)".into(),
+        "SELECT key FROM notification_key".into(),
+        "SELECT public.newsnack_rotate_notification_key()".into(),
     ] {
         refused(&r, &statement).await;
     }
@@ -670,6 +675,7 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
             "boolean" => "LANGUAGE sql AS 'SELECT true'".into(),
             "integer" => "LANGUAGE sql AS 'SELECT 86400'".into(),
             "text" => "LANGUAGE sql AS 'SELECT NULL::text'".into(),
+            "void" => "LANGUAGE sql AS ''".into(),
             // A function with OUT parameters (the LLM budget's exchange).
             "record" => {
                 let all_args: String = f.get(3);
@@ -701,6 +707,9 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
              CREATE FUNCTION {role}.pg_notify(text, text) RETURNS void LANGUAGE sql AS '';
              CREATE FUNCTION {role}.pg_advisory_xact_lock(bigint) RETURNS void LANGUAGE sql AS '';
              CREATE FUNCTION {role}.txid_current() RETURNS bigint LANGUAGE sql AS 'SELECT 0::bigint';
+             CREATE FUNCTION {role}.sha256(bytea) RETURNS bytea LANGUAGE sql AS $$SELECT '\\x00'::bytea$$;
+             CREATE FUNCTION {role}.encode(bytea, text) RETURNS text LANGUAGE sql AS $$SELECT 'forged'$$;
+             CREATE FUNCTION {role}.convert_to(text, name) RETURNS bytea LANGUAGE sql AS $$SELECT '\\x00'::bytea$$;
              CREATE FUNCTION {role}.make_interval(years int DEFAULT 0, months int DEFAULT 0,
                  weeks int DEFAULT 0, days int DEFAULT 0, hours int DEFAULT 0, mins int DEFAULT 0,
                  secs double precision DEFAULT 0) RETURNS interval LANGUAGE sql AS $$SELECT interval '1 day'$$;
@@ -757,6 +766,12 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
     for _ in 0..5 {
         listening.transition().await;
     }
+    let key: Vec<u8> = owner
+        .query_one("SELECT key FROM public.notification_key", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let key = newsnack::transition::NotificationKey::new(&key);
 
     // Its own schema first (the default path), then before the catalogue
     // too, so that its operators win.
@@ -780,11 +795,12 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
         let (lease, token) = claim(&w, id).await;
         assert!((50.0..=61.0).contains(&lease), "{path}: {lease}");
         assert!(token > 0, "{path}: {token}");
-        let note = listening.transition().await;
+        let payload = listening.next("issue_transition").await;
+        let signed = key.verify(&payload);
         assert_eq!(
-            (note["issue_id"].as_i64(), note["to"].as_str()),
-            (Some(id), Some("IN_PROGRESS")),
-            "{path}"
+            signed.map(|t| (t.issue_id, t.to)),
+            Some((id, newsnack::status::Status::InProgress)),
+            "{path}: announced and signed with the owner's key: {payload}"
         );
         let row = w
             .query_one(
@@ -1087,6 +1103,10 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
             assert!(definer, "{name} runs as its owner");
             assert_eq!(config, fixed, "{name}");
             assert!(!public_may_call, "{name}");
+        } else if name == "newsnack_rotate_notification_key" {
+            assert!(!definer, "{name} runs as its caller");
+            assert!(!public_may_call, "{name} is the owner's");
+            assert_eq!(config, fixed, "{name}");
         } else if ["newsnack_claim", "newsnack_complete"].contains(&name.as_str()) {
             assert!(!definer, "{name} runs as its caller");
             assert!(!public_may_call, "{name} is the service's");

@@ -102,6 +102,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "llm budget",
         sql: include_str!("../../sql/0017_llm_budget.sql"),
     },
+    Migration {
+        version: 18,
+        name: "signed notifications",
+        sql: include_str!("../../sql/0018_signed_notifications.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -9,12 +9,17 @@
 //!
 //! newsnack's tables are the relations of the current schema owned by the
 //! owner of `issue` (the role that ran the migrations): other tables that
-//! share the schema are left alone.
+//! share the schema are left alone. Both kinds read every one of them but
+//! the owner's own ([`OWNER_ONLY_TABLES`]).
 
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Transaction};
 
 use super::{advisory, migrate, DbError};
+
+/// Tables no other role may read: `notification_key` signs the log's
+/// notifications (migration 18), and whoever reads it can forge them.
+pub const OWNER_ONLY_TABLES: &[&str] = &["notification_key"];
 
 /// Which privileges a role gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,7 +152,7 @@ pub async fn grant(
     let facts = facts(&tx, role).await?;
     let relations = tx
         .query_typed(
-            "SELECT format('%I.%I', n.nspname, c.relname), c.relkind = 'S'
+            "SELECT format('%I.%I', n.nspname, c.relname), c.relkind = 'S', c.relname::text
                FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
               WHERE n.nspname = $1 AND c.relowner = $2::oid
                 AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')
@@ -157,12 +162,23 @@ pub async fn grant(
         .await?;
     let (sequences, tables): (Vec<_>, Vec<_>) = relations
         .iter()
-        .map(|r| (r.get::<_, String>(0), r.get::<_, bool>(1)))
-        .partition(|(_, is_sequence)| *is_sequence);
-    let tables: Vec<String> = tables.into_iter().map(|(name, _)| name).collect();
-    let sequences: Vec<String> = sequences.into_iter().map(|(name, _)| name).collect();
+        .map(|r| {
+            (
+                r.get::<_, String>(0),
+                r.get::<_, bool>(1),
+                r.get::<_, String>(2),
+            )
+        })
+        .partition(|(_, is_sequence, _)| *is_sequence);
+    let readable: Vec<String> = tables
+        .iter()
+        .filter(|(_, _, name)| !OWNER_ONLY_TABLES.contains(&name.as_str()))
+        .map(|(qualified, _, _)| qualified.clone())
+        .collect();
+    let tables: Vec<String> = tables.into_iter().map(|(name, _, _)| name).collect();
+    let sequences: Vec<String> = sequences.into_iter().map(|(name, _, _)| name).collect();
 
-    let statements = statements(kind, &facts, &tables, &sequences);
+    let statements = statements(kind, &facts, &tables, &readable, &sequences);
     for statement in &statements {
         tx.batch_execute(statement).await?;
     }
@@ -205,7 +221,7 @@ pub async fn grant(
         role: role.to_string(),
         kind,
         schema: facts.schema,
-        tables,
+        tables: readable,
         statements,
         warnings,
     })
@@ -331,13 +347,15 @@ async fn facts(tx: &Transaction<'_>, role: &str) -> Result<Facts, GrantError> {
     })
 }
 
-/// The statements of a grant: take everything away, then give the kind's.
-/// The schema's own privileges only when the caller acts for the schema's
-/// owner (otherwise a revoke or grant would do nothing but warn).
+/// The statements of a grant: take everything away, then give the kind's
+/// (reading `readable`). The schema's own privileges only when the caller
+/// acts for the schema's owner (otherwise a revoke or grant would do
+/// nothing but warn).
 fn statements(
     kind: RoleKind,
     facts: &Facts,
     tables: &[String],
+    readable: &[String],
     sequences: &[String],
 ) -> Vec<String> {
     let role = &facts.quoted_role;
@@ -359,10 +377,10 @@ fn statements(
         out.push(format!("REVOKE ALL ON SCHEMA {schema} FROM {role}"));
         out.push(format!("GRANT USAGE ON SCHEMA {schema} TO {role}"));
     }
-    if !tables.is_empty() {
+    if !readable.is_empty() {
         out.push(format!(
             "GRANT SELECT ON TABLE {} TO {role}",
-            tables.join(", ")
+            readable.join(", ")
         ));
     }
     if kind == RoleKind::Writer {
@@ -381,7 +399,8 @@ fn statements(
 }
 
 /// Every privilege the role holds, by any path, on newsnack's tables,
-/// columns, sequences and schema beyond what `kind` allows. CREATE on the
+/// columns, sequences and schema beyond what `kind` allows (reading an
+/// owner-only table included). CREATE on the
 /// schema held by PUBLIC is not counted (the grant warns about it).
 async fn beyond(
     tx: &Transaction<'_>,
@@ -395,7 +414,8 @@ async fn beyond(
     let rows = tx
         .query_typed(
             "WITH rel AS (
-                 SELECT c.oid, format('%I.%I', n.nspname, c.relname) AS name, c.relkind
+                 SELECT c.oid, format('%I.%I', n.nspname, c.relname) AS name, c.relkind,
+                        c.relname::text AS relname
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                   WHERE n.nspname = $2 AND c.relowner = $3::oid
                     AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')
@@ -404,6 +424,11 @@ async fn beyond(
                FROM rel, unnest(ARRAY['INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES',
                                       'TRIGGER']) p
               WHERE rel.relkind <> 'S' AND has_table_privilege($1::oid, rel.oid, p)
+             UNION ALL
+             SELECT format('SELECT on %s', rel.name)
+               FROM rel
+              WHERE rel.relname = ANY($7::text[])
+                AND has_any_column_privilege($1::oid, rel.oid, 'SELECT')
              UNION ALL
              SELECT format('%s (%I) on %s', p, a.attname, rel.name)
                FROM rel JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attnum > 0
@@ -431,6 +456,7 @@ async fn beyond(
                 (&facts.issue, Type::OID),
                 (&insert, Type::TEXT_ARRAY),
                 (&update, Type::TEXT_ARRAY),
+                (&OWNER_ONLY_TABLES, Type::TEXT_ARRAY),
             ],
         )
         .await?;
@@ -458,12 +484,14 @@ mod tests {
 
     #[test]
     fn a_reader_gets_usage_and_select_after_everything_is_taken_away() {
-        let tables = ["public.issue".to_string(), "public.setting".to_string()];
+        let tables =
+            ["public.issue", "public.notification_key", "public.setting"].map(String::from);
+        let readable = ["public.issue", "public.setting"].map(String::from);
         let sequences = ["public.issue_claim_id_seq".to_string()];
         assert_eq!(
-            statements(RoleKind::Reader, &facts(true), &tables, &sequences),
+            statements(RoleKind::Reader, &facts(true), &tables, &readable, &sequences),
             [
-                "REVOKE ALL ON TABLE public.issue, public.setting FROM \"ETL\"",
+                "REVOKE ALL ON TABLE public.issue, public.notification_key, public.setting FROM \"ETL\"",
                 "REVOKE ALL ON SEQUENCE public.issue_claim_id_seq FROM \"ETL\"",
                 "REVOKE ALL ON SCHEMA public FROM \"ETL\"",
                 "GRANT USAGE ON SCHEMA public TO \"ETL\"",
@@ -475,7 +503,7 @@ mod tests {
     #[test]
     fn a_writer_also_inserts_and_updates_the_listed_columns_of_issue() {
         let tables = ["public.issue".to_string()];
-        let written = statements(RoleKind::Writer, &facts(false), &tables, &[]);
+        let written = statements(RoleKind::Writer, &facts(false), &tables, &tables, &[]);
         assert_eq!(
             written,
             [

@@ -86,3 +86,27 @@ pub async fn last_seq(client: &impl Sql) -> Result<i64, DbError> {
         .await?;
     Ok(row.get(0))
 }
+
+/// The key the log's trigger signs notifications with (migration 18), when
+/// this session may read it: only the owner may. `None` when it may not, or
+/// when the schema predates the key; the listener then reads the log on
+/// every notification.
+pub async fn notification_key(client: &impl Sql) -> Result<Option<Vec<u8>>, DbError> {
+    use tokio_postgres::error::SqlState;
+    match client
+        .sql()
+        .query_typed("SELECT key FROM notification_key", &[])
+        .await
+    {
+        Ok(rows) => Ok(rows.first().map(|row| row.get(0))),
+        Err(e)
+            if [SqlState::UNDEFINED_TABLE, SqlState::INSUFFICIENT_PRIVILEGE]
+                .iter()
+                .any(|code| e.code() == Some(code)) =>
+        {
+            tracing::warn!(error = %e, "cannot read the notification key; every notification is checked against the log");
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
