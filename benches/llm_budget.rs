@@ -342,6 +342,9 @@ async fn main() {
             || q.contains("pg_advisory_xact_lock(")
             || q.contains("json_build_object(")
             || q.contains("lease_until + open_for")
+            // Migration 18: the signing key's read and the signed NOTIFY.
+            || q.contains("public.notification_key")
+            || (q.contains("pg_notify(") && q.ends_with(", payload)"))
     };
     let trigger_statements: i64 = statements
         .iter()
