@@ -510,7 +510,10 @@ async fn generate(
         }
         tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
         answered.store(true, Ordering::Relaxed);
-        record_patiently(&pool, &completer, &claimed, result, quota_pause, lease).await
+        patiently(claimed.id, lease, || {
+            record(&pool, &completer, &claimed, result.clone(), quota_pause)
+        })
+        .await
     };
     tokio::pin!(work);
     // The heartbeat keeps the lease until the outcome is recorded. A lost
@@ -552,54 +555,58 @@ async fn generate(
         }
         Err(e) => {
             // Say why at once rather than wait out the lease: the failure is
-            // recorded (fenced, retryable) if the database takes it.
+            // recorded (fenced, retryable) if the database takes it. The
+            // failed write's own transaction may still hold the row for a
+            // moment after its error arrives, so a busy row is tried again.
             tracing::error!(issue = claimed.id, error = %e, "could not record the outcome");
             let reason = format!("could not record the outcome: {e}");
-            let released = async {
+            let released = patiently(claimed.id, lease, || async {
                 let client = pool.get().await?;
-                issue::fail(
+                let fenced = issue::fail(
                     &client,
                     claimed.id,
                     claimed.claim_id,
                     &reason,
                     RetryPolicy::After(None),
                 )
-                .await
-            };
-            match released.await {
-                Ok(Fenced::Written | Fenced::Lost) => {}
-                Ok(Fenced::Busy) => tracing::warn!(issue = claimed.id, "the issue's row is held by another transaction; the lease will return the issue"),
-                Err(e) => tracing::warn!(issue = claimed.id, error = %e, "could not record the failure either; the lease will return the issue"),
+                .await?;
+                match fenced {
+                    Fenced::Busy => Err(DbError::RowLocked(claimed.id)),
+                    written_or_lost => Ok(written_or_lost),
+                }
+            });
+            if let Err(e) = released.await {
+                tracing::warn!(issue = claimed.id, error = %e, "could not record the failure either; the lease will return the issue");
             }
         }
     }
 }
 
-/// Pauses between tries of [`record_patiently`]: from the first, doubling
-/// up to the last.
+/// Pauses between tries of [`patiently`]: from the first, doubling up to
+/// the last.
 const RECORD_RETRY_PAUSES: (Duration, Duration) =
     (Duration::from_millis(250), Duration::from_secs(5));
 
-/// [`record`], tried again on a passing database fault (no connection, a
-/// connection lost, the issue's row held by another transaction) for up to
-/// a lease. The write is fenced by the claim, so
-/// trying again is safe, and the heartbeat keeps the claim meanwhile;
-/// giving up at the first fault threw a written article away and left the
-/// issue to its lease.
-async fn record_patiently(
-    pool: &DbPool,
-    completer: &Completer,
-    claimed: &ClaimedIssue,
-    result: Result<crate::writer::Article, crate::writer::WriteError>,
-    quota_pause: Option<Duration>,
+/// A fenced write of issue `id`'s outcome, tried again on a passing
+/// database fault (no connection, a connection lost, the issue's row held
+/// by another transaction) for up to a lease. The write is fenced by the
+/// claim, so trying again is safe; giving up at the first fault threw a
+/// written article away and left the issue to its lease.
+async fn patiently<T, Write, Written>(
+    id: i64,
     lease: Duration,
-) -> Result<Generated, DbError> {
+    mut write: Write,
+) -> Result<T, DbError>
+where
+    Write: FnMut() -> Written,
+    Written: std::future::Future<Output = Result<T, DbError>>,
+{
     let give_up_at = tokio::time::Instant::now() + lease;
     let (mut pause, longest) = RECORD_RETRY_PAUSES;
     loop {
-        match record(pool, completer, claimed, result.clone(), quota_pause).await {
+        match write().await {
             Err(e) if e.is_transient() && tokio::time::Instant::now() + pause < give_up_at => {
-                tracing::warn!(issue = claimed.id, error = %e, retry_in = ?pause, "cannot record the outcome yet; trying again");
+                tracing::warn!(issue = id, error = %e, retry_in = ?pause, "cannot record the outcome yet; trying again");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(longest);
             }
