@@ -63,7 +63,7 @@ use std::time::{Duration, Instant};
 
 use newsnack::claim::Claimer;
 use newsnack::db::issue::{claim_issues, insert_issues, ClaimScope, NewIssue};
-use newsnack::db::{self, DbPool, PoolOptions};
+use newsnack::db::{self, DbPool, PoolOptions, Statements};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::listener::TransitionHub;
 use newsnack::serve::{RunningService, ServeOptions};
@@ -494,6 +494,8 @@ async fn bench_pool(url: &str, size: usize) -> DbPool {
         &endpoint,
         &PoolOptions {
             max_size: size,
+            // As `serve` sends them with no pooler in front.
+            statements: Statements::Named,
             ..PoolOptions::default()
         },
     )
@@ -1027,7 +1029,7 @@ async fn direct_claims(
                         .await
                 } else {
                     claim_issues(
-                        &client,
+                        &pool.session(&client),
                         window,
                         "bench-direct",
                         LEASE,

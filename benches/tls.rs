@@ -18,7 +18,7 @@ use common::{claim_rate, knob, round3, Path};
 
 use std::time::Duration;
 
-use newsnack::db::{self, PoolOptions};
+use newsnack::db::{self, PoolOptions, Statements};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 
 const CLIENTS: usize = 8;
@@ -71,6 +71,8 @@ async fn main() {
             &endpoint,
             &PoolOptions {
                 max_size: CLIENTS + 2,
+                // As `serve` sends them with no pooler in front.
+                statements: Statements::Named,
                 ..PoolOptions::default()
             },
         )

@@ -27,7 +27,7 @@ use common::{claim_rate, connect, round3, Path};
 use std::process::Command;
 use std::time::Duration;
 
-use newsnack::db::{self, PoolOptions};
+use newsnack::db::{self, PoolOptions, Statements};
 use newsnack::embedded::{find_bin_dir, EmbeddedOptions, EmbeddedPostgres};
 
 const CLIENTS: usize = 8;
@@ -69,6 +69,8 @@ async fn main() {
         &endpoint,
         &PoolOptions {
             max_size: CLIENTS + 2,
+            // As `serve` sends them with no pooler in front.
+            statements: Statements::Named,
             ..PoolOptions::default()
         },
     )
@@ -262,9 +264,9 @@ async fn claim_ceiling(
         cluster,
         &[
             "-n",
-            // Unnamed statements, as the service sends them.
+            // Named, as the service sends it with no pooler in front.
             "-M",
-            "extended",
+            "prepared",
             "-f",
             script.path().to_str().unwrap(),
             "-c",

@@ -26,7 +26,7 @@ use common::{connect, knob, round3};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use newsnack::db::{self, DbPool, PoolOptions};
+use newsnack::db::{self, DbPool, PoolOptions, Statements};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::listener::{Listener, ListenerOptions};
 use newsnack::wait::{ArmedWait, WaitOutcome, WaitRequest};
@@ -60,6 +60,8 @@ async fn main() {
         &endpoint,
         &PoolOptions {
             max_size: 16,
+            // As `serve` sends them with no pooler in front.
+            statements: Statements::Named,
             ..PoolOptions::default()
         },
     )

@@ -95,7 +95,7 @@ BEGIN
     SELECT * INTO signing FROM @extschema@.notification_key;
     IF FOUND THEN
         -- The object's closing brace gives way to the MAC of the payload
-        -- as it was: `.., "mac" : "<64 hex digits>"}` (src/notification_mac.rs).
+        -- as it was: `.., "mac" : "<64 hex digits>"}` (src/transition.rs).
         payload := left(payload, -1) || ', "mac" : "'
             || encode(sha256(signing.outer_pad || sha256(signing.inner_pad || convert_to(payload, 'UTF8'))), 'hex')
             || '"}';

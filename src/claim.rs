@@ -171,7 +171,7 @@ async fn claim_together(
     let all: Vec<i64> = first_asker.keys().copied().collect();
     let (lease, scope) = (requests[0].lease, requests[0].scope);
     let client = pool.get().await?;
-    let together = issue::claim_issues(&client, &all, worker, lease, scope).await?;
+    let together = issue::claim_issues(&pool.session(&client), &all, worker, lease, scope).await?;
     drop(client);
     let done: BTreeSet<i64> = together.done.into_iter().collect();
     let mut won: Vec<Vec<ClaimedIssue>> = vec![Vec::new(); requests.len()];
@@ -192,5 +192,5 @@ async fn claim_alone(
     r: &ClaimRequest,
 ) -> Result<ClaimOutcome, DbError> {
     let client = pool.get().await?;
-    issue::claim_issues(&client, &r.ids, worker, r.lease, r.scope).await
+    issue::claim_issues(&pool.session(&client), &r.ids, worker, r.lease, r.scope).await
 }

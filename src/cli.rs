@@ -293,6 +293,7 @@ async fn open(database: &db::Database) -> Result<DbPool, CliError> {
         &PoolOptions {
             max_size: 4,
             wait_timeout: Duration::from_secs(10),
+            statements: database.statements,
         },
     )?;
     drop(pool.get().await.map_err(DbError::from)?);

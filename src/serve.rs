@@ -167,6 +167,7 @@ impl Core {
             &PoolOptions {
                 max_size: pool_size,
                 wait_timeout: Duration::from_secs(5),
+                statements: database.statements,
             },
         )?;
         let (hub, listener_task) = Listener::start(

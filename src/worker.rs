@@ -563,7 +563,7 @@ async fn generate(
             let released = patiently(claimed.id, lease, || async {
                 let client = pool.get().await?;
                 let fenced = issue::fail(
-                    &client,
+                    &pool.session(&client),
                     claimed.id,
                     claimed.claim_id,
                     &reason,
@@ -658,7 +658,16 @@ async fn record(
                     issue::fail_unspent(&mut client, claimed.id, claimed.claim_id, &reason, pause)
                         .await?
                 }
-                None => issue::fail(&client, claimed.id, claimed.claim_id, &reason, retry).await?,
+                None => {
+                    issue::fail(
+                        &pool.session(&client),
+                        claimed.id,
+                        claimed.claim_id,
+                        &reason,
+                        retry,
+                    )
+                    .await?
+                }
             };
             match fenced {
                 Fenced::Written => Ok(Generated::Failed {
@@ -734,7 +743,7 @@ async fn record_together(
     completions: &[Completion],
 ) -> Result<Vec<Fenced>, DbError> {
     let client = pool.get().await?;
-    issue::complete(&client, completions, writer).await
+    issue::complete(&pool.session(&client), completions, writer).await
 }
 
 /// Extends the lease to `lease` every third of its length; returns when
@@ -757,7 +766,7 @@ async fn heartbeat_until_lost(
         tokio::time::sleep(next).await;
         let beat = async {
             let client = pool.get().await?;
-            issue::heartbeat(&client, claimed.id, claimed.claim_id, lease).await
+            issue::heartbeat(&pool.session(&client), claimed.id, claimed.claim_id, lease).await
         };
         match beat.await {
             Ok(true) => (next, retry) = (every, first_retry),

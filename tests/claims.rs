@@ -45,10 +45,16 @@ async fn claim_batch(
     let client = pool.get().await.unwrap();
     match how {
         Claimer::Merged => unreachable!("answered above"),
-        Claimer::SkipLocked => claim_issues(&client, ids, worker, LEASE, ClaimScope::Claimable)
-            .await
-            .unwrap()
-            .claimed_ids(),
+        Claimer::SkipLocked => claim_issues(
+            &pool.session(&client),
+            ids,
+            worker,
+            LEASE,
+            ClaimScope::Claimable,
+        )
+        .await
+        .unwrap()
+        .claimed_ids(),
         Claimer::ReadThenUpdate => {
             let rows = client
                 .query(
@@ -147,6 +153,60 @@ async fn the_same_storm_catches_a_read_then_update_claimer() {
         "the racy claimer should hand some issue out twice (it handed out {} claims for {} issues)",
         counts.values().sum::<usize>(),
         counts.len()
+    );
+}
+
+/// With no pooler in front, a pooled session keeps the claim as a named
+/// statement, parsed once; a session that lost it (a pooler after all, a
+/// `DEALLOCATE ALL`) gets the claim unnamed, and keeps it again on the next.
+/// A pool for a transaction pooler keeps nothing on its sessions.
+#[tokio::test]
+async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
+    use newsnack::db::{PoolOptions, Statements};
+    let db = TestDb::new().await;
+    let ids = db.add_issues(4).await;
+    let kept = "SELECT count(*) FROM pg_prepared_statements
+                 WHERE statement LIKE '%newsnack_claim(%'
+                   AND statement NOT LIKE '%pg_prepared_statements%'";
+    let claim = |pool: DbPool, id: i64| async move {
+        let client = pool.get().await.unwrap();
+        let outcome = claim_issues(
+            &pool.session(&client),
+            &[id],
+            "w",
+            LEASE,
+            ClaimScope::Claimable,
+        )
+        .await
+        .unwrap();
+        assert_eq!(outcome.claimed_ids(), vec![id]);
+        client.query_one(kept, &[]).await.unwrap().get::<_, i64>(0)
+    };
+    let named = db.pool_of_one(Duration::from_secs(5));
+    assert_eq!(claim(named.clone(), ids[0]).await, 1, "kept by the session");
+    let client = named.get().await.unwrap();
+    client.batch_execute("DEALLOCATE ALL").await.unwrap();
+    drop(client);
+    assert_eq!(
+        claim(named.clone(), ids[1]).await,
+        0,
+        "sent unnamed once lost"
+    );
+    assert_eq!(claim(named, ids[2]).await, 1, "kept again");
+
+    let pooled = newsnack::db::pool(
+        &db.endpoint,
+        &PoolOptions {
+            max_size: 1,
+            statements: Statements::Unnamed,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        claim(pooled, ids[3]).await,
+        0,
+        "nothing kept behind a pooler"
     );
 }
 

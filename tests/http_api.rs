@@ -1641,8 +1641,7 @@ async fn dates_the_service_cannot_represent_are_a_json_500_naming_the_row() {
     sql.batch_execute(
         "ALTER TABLE issue DROP CONSTRAINT issue_updated_at_in_range;
          ALTER TABLE briefing DROP CONSTRAINT briefing_created_at_in_range;
-         ALTER TABLE pipeline_run DROP CONSTRAINT pipeline_run_times_in_range;
-         ALTER TABLE issue_transition DROP CONSTRAINT issue_transition_at_in_range;",
+         ALTER TABLE pipeline_run DROP CONSTRAINT pipeline_run_times_in_range;",
     )
     .await
     .unwrap();

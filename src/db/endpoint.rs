@@ -220,6 +220,9 @@ pub struct Database {
     /// For a session of its own: the listener and session-level advisory
     /// locks (`NEWSNACK_DIRECT_DATABASE_URL`, or `DATABASE_URL`).
     pub direct: Endpoint,
+    /// How pooled sessions may be sent statements: named only without a
+    /// direct URL, when no transaction pooler can stand in front.
+    pub statements: super::Statements,
 }
 
 impl Database {
@@ -230,7 +233,12 @@ impl Database {
         application_name: &str,
     ) -> Result<Database, DbError> {
         let pooled = Endpoint::parse(url, application_name)?;
-        let direct = match direct_url.map(str::trim).filter(|u| !u.is_empty()) {
+        let direct_url = direct_url.map(str::trim).filter(|u| !u.is_empty());
+        let statements = match direct_url {
+            Some(_) => super::Statements::Unnamed,
+            None => super::Statements::Named,
+        };
+        let direct = match direct_url {
             Some(direct) => Endpoint::parse(direct, application_name).map_err(|e| match e {
                 DbError::BadUrl(why) => {
                     DbError::BadUrl(format!("NEWSNACK_DIRECT_DATABASE_URL: {why}"))
@@ -239,7 +247,11 @@ impl Database {
             })?,
             None => pooled.clone(),
         };
-        Ok(Database { pooled, direct })
+        Ok(Database {
+            pooled,
+            direct,
+            statements,
+        })
     }
 
     /// Both endpoints for sessions named `name`.
@@ -247,6 +259,7 @@ impl Database {
         Database {
             pooled: self.pooled.with_application_name(name),
             direct: self.direct.with_application_name(name),
+            statements: self.statements,
         }
     }
 }

@@ -232,18 +232,17 @@ pub async fn claim_issues(
         ClaimScope::Pending => Some(-1),
         ClaimScope::RetryBelow(max) => Some(max),
     };
-    let rows = client
-        .sql()
-        .query_typed(
-            CLAIM_STATEMENT,
-            &[
-                (&ids, Type::INT8_ARRAY),
-                (&worker, Type::TEXT),
-                (&lease.as_secs_f64(), Type::FLOAT8),
-                (&retry_below, Type::INT4),
-            ],
-        )
-        .await?;
+    let rows = super::query_kept(
+        client,
+        CLAIM_STATEMENT,
+        &[
+            (&ids, Type::INT8_ARRAY),
+            (&worker, Type::TEXT),
+            (&lease.as_secs_f64(), Type::FLOAT8),
+            (&retry_below, Type::INT4),
+        ],
+    )
+    .await?;
     let mut claimed = Vec::new();
     let mut done = BTreeSet::new();
     for r in &rows {
@@ -314,17 +313,16 @@ pub async fn heartbeat(
     claim_id: i64,
     lease: Duration,
 ) -> Result<bool, DbError> {
-    let row = client
-        .sql()
-        .query_typed_one(
-            &single_row_write("lease_until = now() + make_interval(secs => $3::float8)"),
-            &[
-                (&id, Type::INT8),
-                (&claim_id, Type::INT8),
-                (&lease.as_secs_f64(), Type::FLOAT8),
-            ],
-        )
-        .await?;
+    let row = super::query_kept_one(
+        client,
+        &single_row_write("lease_until = now() + make_interval(secs => $3::float8)"),
+        &[
+            (&id, Type::INT8),
+            (&claim_id, Type::INT8),
+            (&lease.as_secs_f64(), Type::FLOAT8),
+        ],
+    )
+    .await?;
     match single_row_outcome(&row) {
         Fenced::Written => Ok(true),
         Fenced::Lost => Ok(false),
@@ -405,24 +403,23 @@ pub async fn complete(
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
     let tokens = |f: fn(&Completion) -> Option<i32>| completions.iter().map(f).collect::<Vec<_>>();
-    let current: BTreeMap<(i64, i64), bool> = client
-        .sql()
-        .query_typed(
-            COMPLETE_STATEMENT,
-            &[
-                (&column(|c| c.id), Type::INT8_ARRAY),
-                (&column(|c| c.claim_id), Type::INT8_ARRAY),
-                (&text(|c| &c.headline), Type::TEXT_ARRAY),
-                (&text(|c| &c.body), Type::TEXT_ARRAY),
-                (&writer, Type::TEXT),
-                (&tokens(|c| c.usage.prompt_tokens), Type::INT4_ARRAY),
-                (&tokens(|c| c.usage.completion_tokens), Type::INT4_ARRAY),
-            ],
-        )
-        .await?
-        .iter()
-        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
-        .collect();
+    let current: BTreeMap<(i64, i64), bool> = super::query_kept(
+        client,
+        COMPLETE_STATEMENT,
+        &[
+            (&column(|c| c.id), Type::INT8_ARRAY),
+            (&column(|c| c.claim_id), Type::INT8_ARRAY),
+            (&text(|c| &c.headline), Type::TEXT_ARRAY),
+            (&text(|c| &c.body), Type::TEXT_ARRAY),
+            (&writer, Type::TEXT),
+            (&tokens(|c| c.usage.prompt_tokens), Type::INT4_ARRAY),
+            (&tokens(|c| c.usage.completion_tokens), Type::INT4_ARRAY),
+        ],
+    )
+    .await?
+    .iter()
+    .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+    .collect();
     Ok(completions
         .iter()
         .map(|c| match current.get(&(c.id, c.claim_id)) {
@@ -459,23 +456,22 @@ pub async fn fail(
         RetryPolicy::After(d) => (d.map(|d| d.as_secs_f64()), false),
         RetryPolicy::Never => (None, true),
     };
-    let row = client
-        .sql()
-        .query_typed_one(
-            &single_row_write(
-                "processing_status = 'FAILED', last_error = $3,
-                 retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
-                                         ELSE now() + make_interval(secs => $4::float8) END",
-            ),
-            &[
-                (&id, Type::INT8),
-                (&claim_id, Type::INT8),
-                (&reason, Type::TEXT),
-                (&wait, Type::FLOAT8),
-                (&never, Type::BOOL),
-            ],
-        )
-        .await?;
+    let row = super::query_kept_one(
+        client,
+        &single_row_write(
+            "processing_status = 'FAILED', last_error = $3,
+             retry_not_before = CASE WHEN $5 THEN 'infinity'::timestamptz
+                                     ELSE now() + make_interval(secs => $4::float8) END",
+        ),
+        &[
+            (&id, Type::INT8),
+            (&claim_id, Type::INT8),
+            (&reason, Type::TEXT),
+            (&wait, Type::FLOAT8),
+            (&never, Type::BOOL),
+        ],
+    )
+    .await?;
     Ok(single_row_outcome(&row))
 }
 

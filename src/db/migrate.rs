@@ -107,6 +107,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "signed notifications",
         sql: include_str!("../../sql/0018_signed_notifications.sql"),
     },
+    Migration {
+        version: 19,
+        name: "leaner transition record",
+        sql: include_str!("../../sql/0019_leaner_transition_record.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

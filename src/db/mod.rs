@@ -27,6 +27,7 @@ pub use endpoint::{Database, Endpoint};
 pub struct DbPool {
     pool: Pool,
     endpoint: Endpoint,
+    statements: Statements,
 }
 
 impl std::ops::Deref for DbPool {
@@ -42,6 +43,107 @@ impl DbPool {
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
     }
+
+    /// `client`, one of this pool's sessions, sent the claim path's
+    /// statements the way the pool allows ([`Statements`]).
+    pub fn session<'a>(&self, client: &'a deadpool_postgres::Client) -> Session<'a> {
+        Session {
+            client,
+            statements: self.statements,
+        }
+    }
+}
+
+/// How a pool sends the statements of the claim path: the claim, the
+/// completion, the heartbeat and the failure, run for every issue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Statements {
+    /// Unnamed, parsed and planned on every call: what a transaction
+    /// pooler allows, where each transaction may run on another server
+    /// session.
+    #[default]
+    Unnamed,
+    /// Named, and kept by each session for its life: parsed once and, for
+    /// a plain statement, planned once. Only where every session is the
+    /// service's own (no `NEWSNACK_DIRECT_DATABASE_URL`, so no transaction
+    /// pooler in front). docs/performance.md measures what it saves.
+    Named,
+}
+
+/// One pooled session and its pool's [`Statements`]; see [`DbPool::session`].
+pub struct Session<'a> {
+    client: &'a deadpool_postgres::Client,
+    statements: Statements,
+}
+
+impl Sql for Session<'_> {
+    type On = tokio_postgres::Client;
+    fn sql(&self) -> &tokio_postgres::Client {
+        self.client
+    }
+    fn named(&self) -> Option<&deadpool_postgres::Client> {
+        (self.statements == Statements::Named).then_some(self.client)
+    }
+}
+
+/// Runs one of the claim path's statements: named and kept by the session
+/// where `client` allows it ([`Sql::named`]), unnamed otherwise. A named
+/// statement the server no longer knows (a pooler after all), or whose plan
+/// a migration changed under it, is forgotten and the statement sent
+/// unnamed.
+pub async fn query_kept(
+    client: &impl Sql,
+    statement: &str,
+    params: &[(
+        &(dyn tokio_postgres::types::ToSql + Sync),
+        tokio_postgres::types::Type,
+    )],
+) -> Result<Vec<tokio_postgres::Row>, DbError> {
+    use tokio_postgres::error::SqlState;
+    use tokio_postgres::GenericClient as _;
+    if let Some(session) = client.named() {
+        let types: Vec<_> = params.iter().map(|(_, t)| t.clone()).collect();
+        let values: Vec<_> = params.iter().map(|(v, _)| *v).collect();
+        let named = async {
+            let prepared = session.prepare_typed_cached(statement, &types).await?;
+            session.query(&prepared, &values).await
+        };
+        match named.await {
+            Err(e)
+                if [
+                    SqlState::INVALID_SQL_STATEMENT_NAME,
+                    SqlState::DUPLICATE_PSTATEMENT,
+                    SqlState::FEATURE_NOT_SUPPORTED,
+                ]
+                .iter()
+                .any(|code| e.code() == Some(code)) =>
+            {
+                tracing::warn!(error = %e, "a kept statement failed; sending it unnamed");
+                session.statement_cache.clear();
+            }
+            answer => return Ok(answer?),
+        }
+    }
+    Ok(client.sql().query_typed(statement, params).await?)
+}
+
+/// [`query_kept`] for a statement that returns exactly one row.
+pub async fn query_kept_one(
+    client: &impl Sql,
+    statement: &str,
+    params: &[(
+        &(dyn tokio_postgres::types::ToSql + Sync),
+        tokio_postgres::types::Type,
+    )],
+) -> Result<tokio_postgres::Row, DbError> {
+    let mut rows = query_kept(client, statement, params).await?;
+    match (rows.pop(), rows.is_empty()) {
+        (Some(row), true) => Ok(row),
+        (found, _) => Err(DbError::Invalid(format!(
+            "expected one row from the database, got {}",
+            rows.len() + usize::from(found.is_some())
+        ))),
+    }
 }
 
 /// What a statement runs on: a session, pooled or not, or a transaction.
@@ -54,6 +156,11 @@ impl DbPool {
 pub trait Sql: Sync {
     type On: tokio_postgres::GenericClient + Sync;
     fn sql(&self) -> &Self::On;
+    /// The pooled session to keep named statements on, where its pool
+    /// allows them ([`Session`]); none for anything else.
+    fn named(&self) -> Option<&deadpool_postgres::Client> {
+        None
+    }
 }
 
 impl Sql for tokio_postgres::Client {
@@ -353,6 +460,8 @@ pub struct PoolOptions {
     pub max_size: usize,
     /// How long a caller waits for a free connection before giving up.
     pub wait_timeout: Duration,
+    /// How the claim path's statements are sent.
+    pub statements: Statements,
 }
 
 impl Default for PoolOptions {
@@ -360,6 +469,7 @@ impl Default for PoolOptions {
         PoolOptions {
             max_size: 16,
             wait_timeout: Duration::from_secs(5),
+            statements: Statements::Unnamed,
         }
     }
 }
@@ -396,6 +506,7 @@ pub fn pool(endpoint: &Endpoint, options: &PoolOptions) -> Result<DbPool, DbErro
     Ok(DbPool {
         pool,
         endpoint: endpoint.clone(),
+        statements: options.statements,
     })
 }
 

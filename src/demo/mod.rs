@@ -152,6 +152,7 @@ impl Place {
         let database = db::Database {
             pooled: server.pooled.with_dbname(&name),
             direct: server.direct.with_dbname(&name),
+            statements: server.statements,
         };
         Ok((database, Place::Database { server, name }))
     }

@@ -173,6 +173,8 @@ impl TestDb {
             &PoolOptions {
                 max_size,
                 wait_timeout: Duration::from_secs(30),
+                // As `serve` sends them with no pooler in front.
+                statements: db::Statements::Named,
             },
         )
         .unwrap();
@@ -193,6 +195,7 @@ impl TestDb {
             &newsnack::db::PoolOptions {
                 max_size: 1,
                 wait_timeout,
+                statements: newsnack::db::Statements::Named,
             },
         )
         .unwrap()
@@ -203,6 +206,7 @@ impl TestDb {
         db::Database {
             pooled: self.endpoint.clone(),
             direct: self.endpoint.clone(),
+            statements: db::Statements::Named,
         }
     }
 
