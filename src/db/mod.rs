@@ -152,7 +152,8 @@ pub async fn query_kept_one(
 /// trip (`query_typed`, with its parameters' types given): nothing is left
 /// on the server's session between transactions, so a transaction pooler
 /// (PgBouncer in transaction mode) may run each transaction on another
-/// server session.
+/// server session. The one exception is [`query_kept`], for a pool whose
+/// sessions are known to be its own.
 pub trait Sql: Sync {
     type On: tokio_postgres::GenericClient + Sync;
     fn sql(&self) -> &Self::On;
