@@ -269,3 +269,45 @@ async fn the_trigger_signs_with_the_owners_key_and_a_rotation_loses_nothing() {
     assert_eq!(last, newest, "every transition of the log was published");
     stop.cancel();
 }
+
+/// Migration 19 writes the payload out by hand rather than with
+/// `json_build_object`: what it signs must be that function's very text,
+/// for a first transition (`from` null) and later ones alike.
+#[tokio::test]
+async fn the_signed_payload_is_the_text_json_build_object_gave() {
+    let db = TestDb::new().await;
+    let (client, mut connection) = db.config.connect(tokio_postgres::NoTls).await.unwrap();
+    let (tx, mut notes) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = futures::StreamExt::next(&mut messages).await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = tx.send(n.payload().to_string());
+            }
+        }
+    });
+    client
+        .batch_execute("LISTEN issue_transition")
+        .await
+        .unwrap();
+    let key = key_in(&db).await;
+    let id = db.add_issues(1).await[0];
+    db.move_with_sql(&[id], &["IN_PROGRESS", "FAILED"]).await;
+    for _ in 0..3 {
+        let payload = within(10, "a notification", notes.recv()).await.unwrap();
+        let seq = key.verify(&payload).expect("signed").seq;
+        let mac_at = payload.rfind(", \"mac\" : \"").expect("a MAC");
+        let signed = format!("{}}}", &payload[..mac_at]);
+        let built: String = client
+            .query_one(
+                "SELECT json_build_object('seq', seq, 'issue_id', issue_id, 'from', from_status,
+                        'to', to_status, 'at', at, 'attempts', attempts, 'fatal', fatal)::text
+                   FROM issue_transition WHERE seq = $1",
+                &[&seq],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(signed, built);
+    }
+}
