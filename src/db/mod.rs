@@ -63,8 +63,8 @@ pub enum Statements {
     /// session.
     #[default]
     Unnamed,
-    /// Named, and kept by each session for its life: parsed once and, for
-    /// a plain statement, planned once. Only where every session is the
+    /// Named, and kept by each session for its life: parsed once, its
+    /// plans cached by the server. Only where every session is the
     /// service's own (no `NEWSNACK_DIRECT_DATABASE_URL`, so no transaction
     /// pooler in front). docs/performance.md measures what it saves.
     Named,
