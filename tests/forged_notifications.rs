@@ -213,16 +213,16 @@ async fn key_in(db: &TestDb) -> NotificationKey {
     NotificationKey::new(&key)
 }
 
-/// What the trigger signs, the listener verifies: the payload a plain
-/// `LISTEN` session receives checks out with the owner's key and says what
-/// the log holds; after the key is rotated, the old key no longer verifies
-/// and the listener still publishes every transition, in order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_trigger_signs_with_the_owners_key_and_a_rotation_loses_nothing() {
-    let db = TestDb::new().await;
-    let ids = db.add_issues(2).await;
+/// A plain session of its own that `LISTEN`s on `issue_transition`, and the
+/// payloads it receives, in order.
+async fn listening(
+    db: &TestDb,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
     let (client, mut connection) = db.config.connect(tokio_postgres::NoTls).await.unwrap();
-    let (tx, mut notes) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, notes) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(Ok(message)) = futures::StreamExt::next(&mut messages).await {
@@ -235,6 +235,18 @@ async fn the_trigger_signs_with_the_owners_key_and_a_rotation_loses_nothing() {
         .batch_execute("LISTEN issue_transition")
         .await
         .unwrap();
+    (client, notes)
+}
+
+/// What the trigger signs, the listener verifies: the payload a plain
+/// `LISTEN` session receives checks out with the owner's key and says what
+/// the log holds; after the key is rotated, the old key no longer verifies
+/// and the listener still publishes every transition, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trigger_signs_with_the_owners_key_and_a_rotation_loses_nothing() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(2).await;
+    let (_session, mut notes) = listening(&db).await;
     let (hub, stop) = db.listener().await;
     let mut live = hub.subscribe();
     let old_key = key_in(&db).await;
@@ -276,20 +288,7 @@ async fn the_trigger_signs_with_the_owners_key_and_a_rotation_loses_nothing() {
 #[tokio::test]
 async fn the_signed_payload_is_the_text_json_build_object_gave() {
     let db = TestDb::new().await;
-    let (client, mut connection) = db.config.connect(tokio_postgres::NoTls).await.unwrap();
-    let (tx, mut notes) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(message)) = futures::StreamExt::next(&mut messages).await {
-            if let tokio_postgres::AsyncMessage::Notification(n) = message {
-                let _ = tx.send(n.payload().to_string());
-            }
-        }
-    });
-    client
-        .batch_execute("LISTEN issue_transition")
-        .await
-        .unwrap();
+    let (client, mut notes) = listening(&db).await;
     let key = key_in(&db).await;
     let id = db.add_issues(1).await[0];
     db.move_with_sql(&[id], &["IN_PROGRESS", "FAILED"]).await;
