@@ -15,7 +15,9 @@
 //!   unnamed statement is (its values written into it);
 //! - `function`: the call of `newsnack_claim` (migration 16), sent unnamed,
 //!   whose statement keeps its generic plan in the session: what the
-//!   service sends now.
+//!   service sends behind a transaction pooler;
+//! - `kept`: `KEPT_CLAIM_STATEMENT`, prepared, the server left to choose its
+//!   plans: what the service sends where no pooler stands in front.
 //!
 //! Each script is also run with no claims; the difference, divided by
 //! [`CLAIMS`], is the cost of one claim. Needs valgrind (`apt-get install
@@ -75,7 +77,7 @@ async fn main() {
         .to_path_buf();
     cluster.shutdown();
 
-    let ways: [(&str, ClaimText); 3] = [
+    let ways: [(&str, ClaimText); 4] = [
         (
             "prepared_generic",
             Box::new(|id| format!("EXECUTE claim('{{{id}}}', 'bench', 60, NULL)")),
@@ -96,19 +98,32 @@ async fn main() {
                 format!("SELECT * FROM newsnack_claim('{{{id}}}'::bigint[], 'bench', 60, NULL)")
             }),
         ),
+        (
+            "kept",
+            Box::new(|id| format!("EXECUTE kept('{{{id}}}', 'bench', 60, NULL)")),
+        ),
     ];
     // A generic plan for the prepared statement, as the service's sessions
-    // were started with; it changes nothing for the other two (a statement
-    // with its values written in is planned once, for them; the function
-    // sets its own).
-    let prelude = format!(
-        "SET plan_cache_mode = force_generic_plan;\n\n\
-         PREPARE claim(bigint[], text, float8, integer) AS {statement};\n\n"
-    );
+    // were started with; it changes nothing for `unnamed` and `function`
+    // (a statement with its values written in is planned once, for them;
+    // the function sets its own). `kept` is left to the server's choice.
+    let prelude = |way: &str| {
+        let mode = if way == "kept" {
+            "auto"
+        } else {
+            "force_generic_plan"
+        };
+        format!(
+            "SET plan_cache_mode = {mode};\n\n\
+             PREPARE claim(bigint[], text, float8, integer) AS {statement};\n\n\
+             PREPARE kept(bigint[], text, float8, integer) AS {kept};\n\n",
+            kept = newsnack::db::issue::KEPT_CLAIM_STATEMENT
+        )
+    };
     let mut report = serde_json::Map::new();
     let mut next_id = 1;
     for (way, claim) in &ways {
-        let mut script = prelude.clone();
+        let mut script = prelude(way);
         let empty = instructions(&dir, &script);
         for _ in 0..CLAIMS {
             script.push_str(&claim(next_id));
@@ -127,7 +142,12 @@ async fn main() {
             .as_f64()
             .unwrap()
     };
-    let (prepared, unnamed, function) = (get("prepared_generic"), get("unnamed"), get("function"));
+    let (prepared, unnamed, function, kept) = (
+        get("prepared_generic"),
+        get("unnamed"),
+        get("function"),
+        get("kept"),
+    );
     let out = serde_json::json!({
         "benchmark": "database instructions per one-id claim, by how the statement is sent",
         "claims": CLAIMS,
@@ -135,6 +155,7 @@ async fn main() {
         "instructions_per_claim": report,
         "unnamed_vs_prepared": round3(unnamed / prepared),
         "function_vs_prepared": round3(function / prepared),
+        "kept_vs_prepared": round3(kept / prepared),
     });
     println!("{}", serde_json::to_string_pretty(&out).unwrap());
     tokio::task::spawn_blocking(move || drop(cluster))

@@ -201,9 +201,9 @@ async fn set_triggers(client: &tokio_postgres::Client, which: &str, on: bool) {
         .unwrap();
 }
 
-/// Claims per second when `pgbench` runs the service's claim
-/// (`CLAIM_STATEMENT`, the call of `newsnack_claim`) on fresh windows of
-/// [`CEILING_BATCH`] ids.
+/// Claims per second when `pgbench` runs the service's claim as a session
+/// keeps it where no pooler stands in front (`KEPT_CLAIM_STATEMENT`) on
+/// fresh windows of [`CEILING_BATCH`] ids.
 async fn claim_ceiling(
     cluster: &EmbeddedPostgres,
     client: &tokio_postgres::Client,
@@ -249,7 +249,7 @@ async fn claim_ceiling(
         ("$3", "60"),
         ("$4", "NULL"),
     ];
-    let mut statement = newsnack::db::issue::CLAIM_STATEMENT.to_string();
+    let mut statement = newsnack::db::issue::KEPT_CLAIM_STATEMENT.to_string();
     for (from, to) in replacements {
         assert!(
             statement.contains(from),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{within, TestDb};
-use newsnack::db::issue::{claim_issues, ClaimScope};
+use newsnack::db::issue::{claim_issues, ClaimScope, KEPT_CLAIM_STATEMENT};
 use newsnack::db::DbPool;
 use tokio::sync::Barrier;
 
@@ -164,9 +164,12 @@ async fn the_same_storm_catches_a_read_then_update_claimer() {
 async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
     use newsnack::db::{PoolOptions, Statements};
     let db = TestDb::new().await;
-    let ids = db.add_issues(4).await;
-    let kept = "SELECT count(*) FROM pg_prepared_statements
-                 WHERE statement LIKE '%newsnack_claim(%'
+    let ids = db.add_issues(10).await;
+    // (statements kept, the kept claim's generic plans) on the session.
+    let kept =
+        "SELECT count(*), COALESCE(sum(generic_plans) FILTER (WHERE statement = $1), 0)::bigint
+                  FROM pg_prepared_statements
+                 WHERE (statement = $1 OR statement LIKE '%newsnack_claim(%')
                    AND statement NOT LIKE '%pg_prepared_statements%'";
     let claim = |pool: DbPool, id: i64| async move {
         let client = pool.get().await.unwrap();
@@ -180,19 +183,33 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
         .await
         .unwrap();
         assert_eq!(outcome.claimed_ids(), vec![id]);
-        client.query_one(kept, &[]).await.unwrap().get::<_, i64>(0)
+        let row = client
+            .query_one(kept, &[&KEPT_CLAIM_STATEMENT])
+            .await
+            .unwrap();
+        (row.get::<_, i64>(0), row.get::<_, i64>(1))
     };
     let named = db.pool_of_one(Duration::from_secs(5));
-    assert_eq!(claim(named.clone(), ids[0]).await, 1, "kept by the session");
+    assert_eq!(
+        claim(named.clone(), ids[0]).await.0,
+        1,
+        "kept by the session"
+    );
     let client = named.get().await.unwrap();
     client.batch_execute("DEALLOCATE ALL").await.unwrap();
     drop(client);
     assert_eq!(
-        claim(named.clone(), ids[1]).await,
+        claim(named.clone(), ids[1]).await.0,
         0,
         "sent unnamed once lost"
     );
-    assert_eq!(claim(named, ids[2]).await, 1, "kept again");
+    // One-id claims, whose custom plans would look cheapest: the server
+    // plans the first five, then keeps its generic plan.
+    let mut generic = 0;
+    for &id in &ids[2..9] {
+        generic = claim(named.clone(), id).await.1;
+    }
+    assert_eq!(generic, 2, "the 6th and 7th calls run the generic plan");
 
     let pooled = newsnack::db::pool(
         &db.endpoint,
@@ -204,10 +221,43 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
     )
     .unwrap();
     assert_eq!(
-        claim(pooled, ids[3]).await,
+        claim(pooled, ids[9]).await.0,
         0,
         "nothing kept behind a pooler"
     );
+}
+
+/// The kept claim is `newsnack_claim`'s statement, as the server holds it,
+/// with the function's arguments for parameters and the ids read through
+/// `request`: a change to one without the other fails here.
+#[tokio::test]
+async fn the_kept_claim_is_the_statement_of_the_claim_function() {
+    let db = TestDb::new().await;
+    let client = db.pool.get().await.unwrap();
+    let row = client
+        .query_one(
+            "SELECT p.prosrc, n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE p.proname = 'newsnack_claim'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (body, schema): (String, String) = (row.get(0), row.get(1));
+    let words = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let body = words(&body);
+    let statement = body
+        .split_once("RETURN QUERY ")
+        .and_then(|(_, rest)| rest.split_once("; END"))
+        .expect("the function returns one query")
+        .0;
+    let mut expected = statement
+        .replace(&format!("{schema}."), "")
+        .replace("ANY(ids)", "ANY((SELECT ids FROM request)::bigint[])")
+        .replace("holder", "$2")
+        .replace("lease_s", "$3")
+        .replace("retry_below", "$4");
+    expected = expected.replacen("WITH ", "WITH request AS (SELECT $1::bigint[] AS ids), ", 1);
+    assert_eq!(words(KEPT_CLAIM_STATEMENT), expected);
 }
 
 #[tokio::test]

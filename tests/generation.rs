@@ -495,16 +495,6 @@ async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
     stop_listener.cancel();
 }
 
-/// Claim statements run in this test's database so far.
-async fn claim_statements(db: &TestDb) -> i64 {
-    db.scalar_i64(
-        "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
-          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND query LIKE '%FROM newsnack_claim(%'",
-    )
-    .await
-}
-
 #[tokio::test]
 async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
     let db = TestDb::new().await;
@@ -516,7 +506,7 @@ async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
     let id = db.add_issues(1).await[0];
     let sql = db.raw().await;
     let mut holder = db.raw().await;
-    let before = claim_statements(&db).await;
+    let before = db.claim_statements().await;
     // Another system fails the issue, asking for the retry in 3 s, and at
     // once someone holds the row: when the retry comes, SKIP LOCKED passes
     // it by.
@@ -536,7 +526,7 @@ async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
         30,
         "the retry's claim to run while the row is held",
         async {
-            while claim_statements(&db).await == before {
+            while db.claim_statements().await == before {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         },

@@ -1422,16 +1422,20 @@ async fn post_issue_ids(http: &reqwest::Client, url: &str, ids: Vec<i64>) -> (St
     .await
 }
 
-/// Calls, in this database, of the claim statement, and transitions logged.
+/// Calls, in this database, of the claim however it was sent, and
+/// transitions logged.
 async fn claim_path_statements(sql: &tokio_postgres::Client) -> (i64, i64) {
     let row = sql
         .query_one(
             "SELECT (SELECT COALESCE(sum(calls), 0)::bigint
                        FROM pg_stat_statements
                       WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-                        AND query LIKE '%FROM newsnack_claim(%'),
+                        AND (query = $1 OR query LIKE $2)),
                     (SELECT count(*) FROM issue_transition)",
-            &[],
+            &[
+                &newsnack::db::issue::CLAIM_STATEMENT,
+                &common::kept_claim_pattern(),
+            ],
         )
         .await
         .unwrap();

@@ -331,6 +331,24 @@ impl TestDb {
             .unwrap();
     }
 
+    /// Calls of the claim so far in this database (after
+    /// [`TestDb::count_statements`]), however it was sent: the call of
+    /// `newsnack_claim` unnamed (`$1`), or its statement kept by a session
+    /// (`$2`, [`kept_claim_pattern`]).
+    pub async fn claim_statements(&self) -> i64 {
+        let client = self.pool.get().await.unwrap();
+        let row = client
+            .query_one(
+                "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+                  WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND (query = $1 OR query LIKE $2)",
+                &[&newsnack::db::issue::CLAIM_STATEMENT, &kept_claim_pattern()],
+            )
+            .await
+            .unwrap();
+        row.get(0)
+    }
+
     /// The first column of every row of a query, as ids.
     pub async fn ids(&self, sql: &str) -> Vec<i64> {
         let client = self.pool.get().await.unwrap();
@@ -527,4 +545,11 @@ fn plan_rows_read(plan: &serde_json::Value, table: &str, indexes: &[String]) -> 
             .map(|c| plan_rows_read(c, table, indexes))
             .sum()
     })
+}
+
+/// A `LIKE` pattern for the kept claim as `pg_stat_statements` shows it:
+/// its first line, before any constant it numbers as a parameter.
+pub fn kept_claim_pattern() -> String {
+    let first = newsnack::db::issue::KEPT_CLAIM_STATEMENT.lines().next();
+    format!("{}%", first.unwrap_or_default())
 }
