@@ -212,20 +212,22 @@ pub const CLAIM_STATEMENT: &str =
 /// with `FOR NO KEY UPDATE SKIP LOCKED` over a materialised CTE and reports
 /// the requested ids it saw `DONE`.
 ///
-/// The ids are read through `request`, so that no plan can count them: the
-/// server then finds its generic plan as cheap as any custom one and keeps
-/// it after five calls, where seeing an id or two in the array it would
-/// plan every call anew. A test holds this text to the function's.
-pub const KEPT_CLAIM_STATEMENT: &str = "WITH request AS (SELECT $1::bigint[] AS ids),
+/// The ids and the retry bound are read through `request`, so that no
+/// plan can see them: every plan is then costed alike, the generic one
+/// wins by what planning costs, and the server keeps it after five calls,
+/// whatever the table's statistics. Seeing the values, it would find a
+/// custom plan cheaper once most issues are done (few rows left to claim)
+/// and plan every call anew. A test holds this text to the function's.
+pub const KEPT_CLAIM_STATEMENT: &str = "WITH request AS (SELECT $1::bigint[] AS ids, $4::integer AS retry_below),
      claimable AS MATERIALIZED (
          SELECT i.id
            FROM issue i
           WHERE i.id = ANY((SELECT ids FROM request)::bigint[])
-            AND CASE WHEN $4 IS NULL
+            AND CASE WHEN (SELECT retry_below FROM request) IS NULL
                      THEN i.processing_status IN ('PENDING', 'FAILED')
-                     WHEN $4 < 0
+                     WHEN (SELECT retry_below FROM request) < 0
                      THEN i.processing_status = 'PENDING'
-                     ELSE i.processing_status = 'FAILED' AND i.attempts < $4
+                     ELSE i.processing_status = 'FAILED' AND i.attempts < (SELECT retry_below FROM request)
                           AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
                 END
           ORDER BY i.id
