@@ -1424,28 +1424,16 @@ async fn post_issue_ids(http: &reqwest::Client, url: &str, ids: Vec<i64>) -> (St
 
 /// Calls, in this database, of the claim however it was sent, and
 /// transitions logged.
-async fn claim_path_statements(sql: &tokio_postgres::Client) -> (i64, i64) {
-    let row = sql
-        .query_one(
-            "SELECT (SELECT COALESCE(sum(calls), 0)::bigint
-                       FROM pg_stat_statements
-                      WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-                        AND (query = $1 OR query LIKE $2)),
-                    (SELECT count(*) FROM issue_transition)",
-            &[
-                &newsnack::db::issue::CLAIM_STATEMENT,
-                &common::kept_claim_pattern(),
-            ],
-        )
-        .await
-        .unwrap();
-    (row.get(0), row.get(1))
+async fn claim_path_statements(db: &TestDb) -> (i64, i64) {
+    (
+        db.claim_statements().await,
+        db.scalar_i64("SELECT count(*) FROM issue_transition").await,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     let db = TestDb::new().await;
-    let sql = db.raw().await;
     db.count_statements().await;
     let ids = db.add_issues(6).await;
     // ids[4] is DONE and ids[5] IN_PROGRESS before the service starts, so
@@ -1460,14 +1448,14 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     // Nothing claimable: one claim statement, which logs no transition; the
     // DONE one is remembered from its answer, so asking for it alone needs
     // no statement at all.
-    let before = claim_path_statements(&sql).await;
+    let before = claim_path_statements(&db).await;
     let (status, answer) = post(vec![ids[5], ids[4]]).await;
     assert_eq!(status, StatusCode::CONFLICT, "{answer}");
     assert_eq!(answer["skipped"], json!([ids[4], ids[5]]));
-    assert_eq!(claim_path_statements(&sql).await, (before.0 + 1, before.1));
+    assert_eq!(claim_path_statements(&db).await, (before.0 + 1, before.1));
     let (status, _) = post(vec![ids[4]]).await;
     assert_eq!(status, StatusCode::CONFLICT);
-    assert_eq!(claim_path_statements(&sql).await, (before.0 + 1, before.1));
+    assert_eq!(claim_path_statements(&db).await, (before.0 + 1, before.1));
 
     // Completions by the service are learnt from the listener, a moment
     // after they commit: ask until an answer needs no statement at all.
@@ -1482,16 +1470,16 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     .await;
     within(30, "a claim answered from what the service knows", async {
         loop {
-            let before = claim_path_statements(&sql).await.0;
+            let before = claim_path_statements(&db).await.0;
             let (status, answer) = post(ids[..3].to_vec()).await;
             assert_eq!(status, StatusCode::CONFLICT, "{answer}");
-            if claim_path_statements(&sql).await.0 == before {
+            if claim_path_statements(&db).await.0 == before {
                 break;
             }
         }
     })
     .await;
-    let before = claim_path_statements(&sql).await;
+    let before = claim_path_statements(&db).await;
     for _ in 0..20 {
         let (status, answer) = post(vec![ids[2], ids[0], ids[4]]).await;
         assert_eq!(status, StatusCode::CONFLICT);
@@ -1500,7 +1488,7 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
         assert!(answer["error"].is_string());
     }
     assert_eq!(
-        claim_path_statements(&sql).await,
+        claim_path_statements(&db).await,
         before,
         "no statement for known-DONE ids"
     );
@@ -1511,7 +1499,7 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
     assert_eq!(answer["claimed"], json!([ids[3]]));
     assert_eq!(answer["skipped"], json!([ids[0], ids[1]]));
-    assert_eq!(claim_path_statements(&sql).await.0, before.0 + 1);
+    assert_eq!(claim_path_statements(&db).await.0, before.0 + 1);
     until_sql(&db, &service.hub, 30, "SELECT count(*) = 4 FROM ai_article").await;
     service.stop().await.unwrap();
 }

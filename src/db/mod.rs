@@ -86,6 +86,12 @@ impl Sql for Session<'_> {
     }
 }
 
+/// A statement's parameters, each with its type, as `query_typed` takes them.
+pub type TypedParams<'a> = [(
+    &'a (dyn tokio_postgres::types::ToSql + Sync),
+    tokio_postgres::types::Type,
+)];
+
 /// Runs one of the claim path's statements: named and kept by the session
 /// where `client` allows it ([`Sql::named`]), unnamed otherwise. A named
 /// statement the server no longer knows (a pooler after all), or whose plan
@@ -94,10 +100,7 @@ impl Sql for Session<'_> {
 pub async fn query_kept(
     client: &impl Sql,
     statement: &str,
-    params: &[(
-        &(dyn tokio_postgres::types::ToSql + Sync),
-        tokio_postgres::types::Type,
-    )],
+    params: &TypedParams<'_>,
 ) -> Result<Vec<tokio_postgres::Row>, DbError> {
     query_kept_or(client, statement, statement, params).await
 }
@@ -108,10 +111,7 @@ pub async fn query_kept_or(
     client: &impl Sql,
     kept: &str,
     unnamed: &str,
-    params: &[(
-        &(dyn tokio_postgres::types::ToSql + Sync),
-        tokio_postgres::types::Type,
-    )],
+    params: &TypedParams<'_>,
 ) -> Result<Vec<tokio_postgres::Row>, DbError> {
     use tokio_postgres::error::SqlState;
     use tokio_postgres::GenericClient as _;
@@ -145,10 +145,7 @@ pub async fn query_kept_or(
 pub async fn query_kept_one(
     client: &impl Sql,
     statement: &str,
-    params: &[(
-        &(dyn tokio_postgres::types::ToSql + Sync),
-        tokio_postgres::types::Type,
-    )],
+    params: &TypedParams<'_>,
 ) -> Result<tokio_postgres::Row, DbError> {
     let mut rows = query_kept(client, statement, params).await?;
     match (rows.pop(), rows.is_empty()) {

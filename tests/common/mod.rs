@@ -549,7 +549,7 @@ fn plan_rows_read(plan: &serde_json::Value, table: &str, indexes: &[String]) -> 
 
 /// A `LIKE` pattern for the kept claim as `pg_stat_statements` shows it:
 /// its first line, before any constant it numbers as a parameter.
-pub fn kept_claim_pattern() -> String {
+fn kept_claim_pattern() -> String {
     let first = newsnack::db::issue::KEPT_CLAIM_STATEMENT.lines().next();
     format!("{}%", first.unwrap_or_default())
 }
