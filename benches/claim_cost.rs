@@ -5,8 +5,10 @@
 //!
 //! A throwaway cluster is created and migrated, given [`ISSUES`] issues,
 //! and stopped; then `postgres --single` runs, under callgrind, a script of
-//! [`CLAIMS`] one-id claims (each on a fresh issue, each its own
-//! transaction, with the transition triggers), once per way:
+//! [`CLAIMS`] one-id claims, each its own transaction, once per way: first
+//! each on a fresh issue (with the transition triggers), then each on an
+//! issue already claimed, a claim that takes nothing (most claims of a
+//! together start). The ways:
 //!
 //! - `prepared_generic`: a named prepared statement with a generic plan,
 //!   what the service sent before it had to work through a transaction
@@ -16,12 +18,13 @@
 //! - `function`: the call of `newsnack_claim` (migration 16), sent unnamed,
 //!   whose statement keeps its generic plan in the session: what the
 //!   service sends behind a transaction pooler;
-//! - `kept`: `KEPT_CLAIM_STATEMENT`, prepared, the server left to choose its
-//!   plans: what the service sends where no pooler stands in front.
+//! - `kept`: `kept_claim_statement`'s, prepared, the server left to choose
+//!   its plans: what the service sends where no pooler stands in front.
 //!
-//! Each script is also run with no claims; the difference, divided by
-//! [`CLAIMS`], is the cost of one claim. Needs valgrind (`apt-get install
-//! valgrind`). `cargo bench --bench claim_cost`; about two minutes.
+//! Each script is also run with only its first [`WARM_UP`] claims; the
+//! difference, divided by [`CLAIMS`], is the cost of one claim in a session
+//! that has already planned what it keeps. Needs valgrind (`apt-get install
+//! valgrind`). `cargo bench --bench claim_cost`; about four minutes.
 
 mod common;
 
@@ -29,10 +32,14 @@ use common::round3;
 
 use std::process::{Command, Stdio};
 
+use newsnack::db::issue::{kept_claim_statement, ClaimScope};
 use newsnack::embedded::{find_bin_dir, unprivileged_user, EmbeddedOptions, EmbeddedPostgres};
 
 const ISSUES: i64 = 20_000;
 const CLAIMS: i64 = 300;
+/// Claims before those counted: a session's first calls of a statement
+/// are planned anew (five custom plans, then the generic one).
+const WARM_UP: i64 = 10;
 
 #[tokio::main]
 async fn main() {
@@ -117,50 +124,75 @@ async fn main() {
             "SET plan_cache_mode = {mode};\n\n\
              PREPARE claim(bigint[], text, float8, integer) AS {statement};\n\n\
              PREPARE kept(bigint[], text, float8, integer) AS {kept};\n\n",
-            kept = newsnack::db::issue::KEPT_CLAIM_STATEMENT
+            kept = kept_claim_statement(ClaimScope::Claimable)
         )
     };
-    let mut report = serde_json::Map::new();
+    // Fresh issues for the claims that take one, then the first ones
+    // again, all held by then, for the claims that take nothing.
     let mut next_id = 1;
+    let mut taking = serde_json::Map::new();
     for (way, claim) in &ways {
-        let mut script = prelude(way);
-        let empty = instructions(&dir, &script);
-        for _ in 0..CLAIMS {
-            script.push_str(&claim(next_id));
-            script.push_str(";\n\n");
-            next_id += 1;
-        }
-        let full = instructions(&dir, &script);
-        let per_claim = (full - empty) as f64 / CLAIMS as f64;
-        report.insert(
-            format!("{way}_instructions_per_claim"),
-            serde_json::json!(per_claim.round()),
-        );
+        let per_claim = instructions_per_claim(&dir, &prelude(way), claim, &mut next_id);
+        taking.insert(way.to_string(), serde_json::json!(per_claim.round()));
     }
-    let get = |way: &str| {
-        report[&format!("{way}_instructions_per_claim")]
-            .as_f64()
-            .unwrap()
-    };
-    let (prepared, unnamed, function, kept) = (
-        get("prepared_generic"),
-        get("unnamed"),
-        get("function"),
-        get("kept"),
+    let mut held_id = 1;
+    let mut nothing = serde_json::Map::new();
+    for (way, claim) in &ways {
+        let per_claim = instructions_per_claim(&dir, &prelude(way), claim, &mut held_id);
+        nothing.insert(way.to_string(), serde_json::json!(per_claim.round()));
+    }
+    assert!(
+        held_id <= next_id,
+        "the claims that take nothing ask for held issues"
     );
+    let ratios = |report: &serde_json::Map<String, serde_json::Value>| {
+        let get = |way: &str| report[way].as_f64().unwrap();
+        let prepared = get("prepared_generic");
+        serde_json::json!({
+            "unnamed_vs_prepared": round3(get("unnamed") / prepared),
+            "function_vs_prepared": round3(get("function") / prepared),
+            "kept_vs_prepared": round3(get("kept") / prepared),
+        })
+    };
     let out = serde_json::json!({
         "benchmark": "database instructions per one-id claim, by how the statement is sent",
         "claims": CLAIMS,
         "issues": ISSUES,
-        "instructions_per_claim": report,
-        "unnamed_vs_prepared": round3(unnamed / prepared),
-        "function_vs_prepared": round3(function / prepared),
-        "kept_vs_prepared": round3(kept / prepared),
+        "instructions_per_claim": taking,
+        "ratios": ratios(&taking),
+        "instructions_per_claim_taking_nothing": nothing,
+        "ratios_taking_nothing": ratios(&nothing),
     });
     println!("{}", serde_json::to_string_pretty(&out).unwrap());
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();
+}
+
+/// Instructions per claim after `prelude` and [`WARM_UP`] claims: the
+/// claims of issues from `next_id` on, [`CLAIMS`] of them counted.
+fn instructions_per_claim(
+    dir: &std::path::Path,
+    prelude: &str,
+    claim: &ClaimText,
+    next_id: &mut i64,
+) -> f64 {
+    let mut script = prelude.to_string();
+    let mut claims = |script: &mut String, n: i64| {
+        for _ in 0..n {
+            script.push_str(&claim(*next_id));
+            script.push_str(";\n\n");
+            *next_id += 1;
+        }
+    };
+    claims(&mut script, WARM_UP);
+    let warmed = instructions(dir, &script);
+    // The same script again from the start, with fresh issues, and the
+    // counted claims after it.
+    let mut script = prelude.to_string();
+    claims(&mut script, WARM_UP + CLAIMS);
+    let full = instructions(dir, &script);
+    (full - warmed) as f64 / CLAIMS as f64
 }
 
 /// The text of one claim of issue `id`, the way it is sent.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{within, TestDb};
-use newsnack::db::issue::{claim_issues, ClaimScope, KEPT_CLAIM_STATEMENT};
+use newsnack::db::issue::{claim_issues, kept_claim_statement, ClaimScope};
 use newsnack::db::DbPool;
 use tokio::sync::Barrier;
 
@@ -198,7 +198,7 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
         .unwrap();
         assert_eq!(outcome.claimed_ids(), vec![id]);
         let row = client
-            .query_one(kept, &[&KEPT_CLAIM_STATEMENT])
+            .query_one(kept, &[&kept_claim_statement(ClaimScope::Claimable)])
             .await
             .unwrap();
         (row.get::<_, i64>(0), row.get::<_, i64>(1))
@@ -241,9 +241,10 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
     );
 }
 
-/// The kept claim is `newsnack_claim`'s statement, as the server holds it,
-/// with the function's arguments for parameters, the ids and the retry
-/// bound read through `request`: a change to one without the other fails
+/// Each scope's kept claim is `newsnack_claim`'s statement, as the server
+/// holds it, with the scope's branch of its `CASE` in place of the `CASE`,
+/// and the function's arguments for parameters, the ids and the retry bound
+/// read through scalar subqueries: a change to one without the other fails
 /// here.
 #[tokio::test]
 async fn the_kept_claim_is_the_statement_of_the_claim_function() {
@@ -264,19 +265,28 @@ async fn the_kept_claim_is_the_statement_of_the_claim_function() {
         .split_once("RETURN QUERY ")
         .and_then(|(_, rest)| rest.split_once("; END"))
         .expect("the function returns one query")
-        .0;
-    let mut expected = statement
+        .0
         .replace(&format!("{schema}."), "")
-        .replace("ANY(ids)", "ANY((SELECT ids FROM request)::bigint[])")
+        .replace("ANY(ids)", "ANY((SELECT $1::bigint[])::bigint[])")
         .replace("holder", "$2")
-        .replace("lease_s", "$3")
-        .replace("retry_below", "(SELECT retry_below FROM request)");
-    expected = expected.replacen(
-        "WITH ",
-        "WITH request AS (SELECT $1::bigint[] AS ids, $4::integer AS retry_below), ",
-        1,
-    );
-    assert_eq!(words(KEPT_CLAIM_STATEMENT), expected);
+        .replace("lease_s", "$3");
+    let (before, rest) = statement
+        .split_once("AND CASE WHEN retry_below IS NULL THEN ")
+        .expect("the scopes are one CASE");
+    let (branches, after) = rest.split_once(" END ").expect("the CASE ends");
+    let (claimable, rest) = branches
+        .split_once(" WHEN retry_below < 0 THEN ")
+        .expect("the pending branch");
+    let (pending, retry) = rest.split_once(" ELSE ").expect("the retry branch");
+    let retry = retry.replace("retry_below", "(SELECT $4::integer)");
+    for (scope, branch) in [
+        (ClaimScope::Claimable, claimable),
+        (ClaimScope::Pending, pending),
+        (ClaimScope::RetryBelow(3), retry.as_str()),
+    ] {
+        let expected = format!("{before}AND {branch} {after}");
+        assert_eq!(words(kept_claim_statement(scope)), expected, "{scope:?}");
+    }
 }
 
 #[tokio::test]

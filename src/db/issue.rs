@@ -198,38 +198,25 @@ pub async fn count_by_status(client: &impl Sql) -> Result<Vec<(Status, i64)>, Db
 }
 
 /// The claim of [`claim_issues`] sent unnamed: a call of `newsnack_claim`
-/// (migration 16), whose one statement, [`KEPT_CLAIM_STATEMENT`], keeps its
+/// (migration 16), whose one statement ([`kept_claim_statement`]) keeps its
 /// generic plan for its server session whichever client it serves. Its
 /// parameters: the ids, the holder, the lease in seconds, and the attempt
 /// limit of a retry (NULL for a first claim, -1 for `PENDING` only).
 pub const CLAIM_STATEMENT: &str =
     "SELECT id, claim_id, attempts, title, body, lease_until FROM newsnack_claim($1, $2, $3, $4)";
 
-/// The claim of [`claim_issues`] where a session keeps it
-/// ([`super::Statements::Named`]): `newsnack_claim`'s statement itself, with
-/// the same parameters, which spares each claim the function's call (a
-/// fifth of a claim that takes nothing; docs/performance.md). It claims
-/// with `FOR NO KEY UPDATE SKIP LOCKED` over a materialised CTE and reports
-/// the requested ids it saw `DONE`.
-///
-/// The ids and the retry bound are read through `request`, so that no
-/// plan can see them: every plan is then costed alike, the generic one
-/// wins by what planning costs, and the server keeps it after five calls,
-/// whatever the table's statistics. Seeing the values, it would find a
-/// custom plan cheaper once most issues are done (few rows left to claim)
-/// and plan every call anew. A test holds this text to the function's.
-pub const KEPT_CLAIM_STATEMENT: &str = "WITH request AS (SELECT $1::bigint[] AS ids, $4::integer AS retry_below),
-     claimable AS MATERIALIZED (
+/// `newsnack_claim`'s statement with one scope's branch of its `CASE`
+/// written in; see [`kept_claim_statement`].
+macro_rules! kept_claim {
+    ($claimable:literal) => {
+        concat!(
+            "WITH claimable AS MATERIALIZED (
          SELECT i.id
            FROM issue i
-          WHERE i.id = ANY((SELECT ids FROM request)::bigint[])
-            AND CASE WHEN (SELECT retry_below FROM request) IS NULL
-                     THEN i.processing_status IN ('PENDING', 'FAILED')
-                     WHEN (SELECT retry_below FROM request) < 0
-                     THEN i.processing_status = 'PENDING'
-                     ELSE i.processing_status = 'FAILED' AND i.attempts < (SELECT retry_below FROM request)
-                          AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
-                END
+          WHERE i.id = ANY((SELECT $1::bigint[])::bigint[])
+            AND ",
+            $claimable,
+            "
           ORDER BY i.id
             FOR NO KEY UPDATE OF i SKIP LOCKED
      ), claimed AS (
@@ -247,7 +234,37 @@ pub const KEPT_CLAIM_STATEMENT: &str = "WITH request AS (SELECT $1::bigint[] AS 
      UNION ALL
      SELECT i.id, NULL, NULL, NULL, NULL, NULL
        FROM issue i
-      WHERE i.id = ANY((SELECT ids FROM request)::bigint[]) AND i.processing_status = 'DONE'";
+      WHERE i.id = ANY((SELECT $1::bigint[])::bigint[]) AND i.processing_status = 'DONE'"
+        )
+    };
+}
+
+/// The claim of [`claim_issues`] for `scope` where a session keeps it
+/// ([`super::Statements::Named`]): `newsnack_claim`'s statement itself,
+/// with the same parameters, which spares each claim the function's call
+/// (a fifth of a claim that takes nothing; docs/performance.md). It claims
+/// with `FOR NO KEY UPDATE SKIP LOCKED` over a materialised CTE and reports
+/// the requested ids it saw `DONE`.
+///
+/// One statement per scope, the function's `CASE` reduced to the scope's
+/// branch, and the values a plan could be costed by read through scalar
+/// subqueries: the ids, and a retry's attempt limit (`$4`, unused by the
+/// other two). No plan can see them, so every plan costs the same, the
+/// generic one wins by what planning costs, and the server keeps it from
+/// the sixth call on, whatever the table's statistics. Seeing them, it
+/// would find a custom plan cheaper for fewer than ten ids, or once most
+/// issues are done, and plan every call anew. A test holds each text to
+/// the function's.
+pub fn kept_claim_statement(scope: ClaimScope) -> &'static str {
+    match scope {
+        ClaimScope::Claimable => kept_claim!("i.processing_status IN ('PENDING', 'FAILED')"),
+        ClaimScope::Pending => kept_claim!("i.processing_status = 'PENDING'"),
+        ClaimScope::RetryBelow(_) => kept_claim!(
+            "i.processing_status = 'FAILED' AND i.attempts < (SELECT $4::integer)
+                          AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())"
+        ),
+    }
+}
 
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
@@ -276,7 +293,7 @@ pub async fn claim_issues(
     };
     let rows = super::query_kept_or(
         client,
-        KEPT_CLAIM_STATEMENT,
+        kept_claim_statement(scope),
         CLAIM_STATEMENT,
         &[
             (&ids, Type::INT8_ARRAY),

@@ -333,8 +333,8 @@ impl TestDb {
 
     /// Calls of the claim so far in this database (after
     /// [`TestDb::count_statements`]), however it was sent: the call of
-    /// `newsnack_claim` unnamed (`$1`), or its statement kept by a session
-    /// (`$2`, [`kept_claim_pattern`]).
+    /// `newsnack_claim` unnamed (`$1`), or its statement for a scope kept by a
+    /// session (`$2`, [`kept_claim_pattern`]).
     pub async fn claim_statements(&self) -> i64 {
         let client = self.pool.get().await.unwrap();
         let row = client
@@ -547,9 +547,11 @@ fn plan_rows_read(plan: &serde_json::Value, table: &str, indexes: &[String]) -> 
     })
 }
 
-/// A `LIKE` pattern for the kept claim as `pg_stat_statements` shows it:
-/// its first line, before any constant it numbers as a parameter.
+/// A `LIKE` pattern for the kept claim, of any scope, as
+/// `pg_stat_statements` shows it: the first line, which the scopes share,
+/// before any constant it numbers as a parameter.
 fn kept_claim_pattern() -> String {
-    let first = newsnack::db::issue::KEPT_CLAIM_STATEMENT.lines().next();
+    use newsnack::db::issue::{kept_claim_statement, ClaimScope};
+    let first = kept_claim_statement(ClaimScope::Claimable).lines().next();
     format!("{}%", first.unwrap_or_default())
 }
