@@ -382,42 +382,58 @@ async fn a_key_share_lock_from_an_article_insert_does_not_hide_an_issue() {
     other.batch_execute("COMMIT").await.unwrap();
 }
 
+/// Each scope takes what it should, sent either way: the call of
+/// `newsnack_claim`, and the scope's own statement kept by the session.
 #[tokio::test]
 async fn retries_take_only_failed_issues_with_attempts_left() {
-    let db = TestDb::new().await;
-    let ids = db.add_issues(3).await;
-    let sql = db.raw().await;
-    // ids[0]: FAILED after 1 attempt; ids[1]: FAILED after 3; ids[2]: PENDING.
-    for (id, attempts) in [(ids[0], 1), (ids[1], 3)] {
-        for _ in 0..attempts {
-            sql.execute(
-                "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
-                &[&id],
-            )
-            .await
-            .unwrap();
-            sql.execute(
-                "UPDATE issue SET processing_status='FAILED' WHERE id=$1",
-                &[&id],
-            )
-            .await
-            .unwrap();
+    for kept in [false, true] {
+        let db = TestDb::new().await;
+        let ids = db.add_issues(4).await;
+        // ids[0]: FAILED after 1 attempt; ids[1]: FAILED after 3; ids[2]
+        // and ids[3]: PENDING.
+        for (id, attempts) in [(ids[0], 1), (ids[1], 3)] {
+            for _ in 0..attempts {
+                db.move_with_sql(&[id], &["IN_PROGRESS", "FAILED"]).await;
+            }
         }
+        let client = db.pool.get().await.unwrap();
+        let session = db.pool.session(&client);
+        let claim = |ids: Vec<i64>, scope: ClaimScope| {
+            let (client, session) = (&client, &session);
+            async move {
+                let outcome = match kept {
+                    true => claim_issues(session, &ids, "w", LEASE, scope).await,
+                    false => claim_issues(client, &ids, "w", LEASE, scope).await,
+                };
+                outcome.unwrap()
+            }
+        };
+        let retry = claim(ids.clone(), ClaimScope::RetryBelow(3)).await;
+        assert_eq!(retry.claimed_ids(), vec![ids[0]], "kept: {kept}");
+        assert_eq!(retry.claimed[0].attempts, 2);
+        let pending = claim(vec![ids[1], ids[3]], ClaimScope::Pending).await;
+        assert_eq!(pending.claimed_ids(), vec![ids[3]], "kept: {kept}");
+        let explicit = claim(ids.clone(), ClaimScope::Claimable).await;
+        assert_eq!(
+            explicit.claimed_ids(),
+            vec![ids[1], ids[2]],
+            "an explicit request takes exhausted ones too (kept: {kept})"
+        );
+        let kept_here: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_prepared_statements
+                  WHERE statement LIKE 'WITH claimable AS MATERIALIZED (%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            kept_here,
+            if kept { 3 } else { 0 },
+            "one kept claim per scope"
+        );
     }
-    let client = db.pool.get().await.unwrap();
-    let retry = claim_issues(&client, &ids, "retry", LEASE, ClaimScope::RetryBelow(3))
-        .await
-        .unwrap();
-    assert_eq!(retry.claimed_ids(), vec![ids[0]]);
-    assert_eq!(retry.claimed[0].attempts, 2);
-    let explicit = claim_issues(&client, &ids, "op", LEASE, ClaimScope::Claimable)
-        .await
-        .unwrap();
-    assert_eq!(
-        explicit.claimed_ids(),
-        vec![ids[1], ids[2]],
-        "an explicit request takes exhausted ones too"
-    );
 }
 
 /// Requests merged into one statement get the answers they would get one
