@@ -24,7 +24,7 @@
 //! Each script is also run with only its first [`WARM_UP`] claims; the
 //! difference, divided by [`CLAIMS`], is the cost of one claim in a session
 //! that has already planned what it keeps. Needs valgrind (`apt-get install
-//! valgrind`). `cargo bench --bench claim_cost`; about four minutes.
+//! valgrind`). `cargo bench --bench claim_cost`; about two minutes.
 
 mod common;
 
