@@ -420,6 +420,21 @@ async fn the_deciding_raw_sql_commit_resolves_the_wait_without_any_query_in_betw
             ..ListenerOptions::default()
         })
         .await;
+    // The listener reads its key and catches up on the log just after it
+    // starts; once it has published a transition made now, those reads are
+    // behind it, out of the counts below.
+    in_progress(&db, &sql, 1).await;
+    let end: i64 = sql
+        .query_one("SELECT max(seq) FROM issue_transition", &[])
+        .await
+        .unwrap()
+        .get(0);
+    within(
+        30,
+        "the listener's first session",
+        until_published(&hub, end),
+    )
+    .await;
     let armed = ArmedWait::arm(&hub, request(&ids, Duration::from_secs(600), 1))
         .await
         .unwrap();
