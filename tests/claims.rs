@@ -421,9 +421,8 @@ async fn retries_take_only_failed_issues_with_attempts_left() {
         );
         let kept_here: i64 = client
             .query_one(
-                "SELECT count(*) FROM pg_prepared_statements
-                  WHERE statement LIKE 'WITH claimable AS MATERIALIZED (%'",
-                &[],
+                "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE $1",
+                &[&common::kept_claim_pattern()],
             )
             .await
             .unwrap()

@@ -550,7 +550,7 @@ fn plan_rows_read(plan: &serde_json::Value, table: &str, indexes: &[String]) -> 
 /// A `LIKE` pattern for the kept claim, of any scope, as
 /// `pg_stat_statements` shows it: the first line, which the scopes share,
 /// before any constant it numbers as a parameter.
-fn kept_claim_pattern() -> String {
+pub fn kept_claim_pattern() -> String {
     use newsnack::db::issue::{kept_claim_statement, ClaimScope};
     let first = kept_claim_statement(ClaimScope::Claimable).lines().next();
     format!("{}%", first.unwrap_or_default())
