@@ -690,3 +690,151 @@ async fn a_lease_counts_from_the_claims_commit() {
         "a prompt claim is one row version with the lease it was given"
     );
 }
+
+/// One transaction, several statements: an insert of three issues, a claim
+/// of two, one finished, a heartbeat (no transition). The log holds every
+/// transition once, each statement's after the one before and within one
+/// statement by id, with consecutive `seq`s; subscribers get the same; and
+/// nothing waits in `issue_transition_batch` after the commit, nor after a
+/// rollback.
+#[tokio::test]
+async fn a_transactions_statements_are_logged_in_order_and_nothing_is_left_behind() {
+    let db = TestDb::new().await;
+    let (hub, stop) = db.listener().await;
+    let mut live = hub.subscribe();
+    let sql = db.raw().await;
+    sql.batch_execute("BEGIN").await.unwrap();
+    let ids: Vec<i64> = sql
+        .query(
+            "INSERT INTO issue (title) SELECT 'batch ' || g FROM generate_series(1, 3) g RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let (a, b, c) = (ids[0], ids[1], ids[2]);
+    sql.execute(
+        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
+        &[&vec![c, a]],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status = 'DONE' WHERE id = $1",
+        &[&a],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET lease_until = now() + interval '1 minute' WHERE id = $1",
+        &[&c],
+    )
+    .await
+    .unwrap();
+    sql.batch_execute("COMMIT").await.unwrap();
+
+    let expected = vec![
+        (a, None, "PENDING".to_string()),
+        (b, None, "PENDING".to_string()),
+        (c, None, "PENDING".to_string()),
+        (a, Some("PENDING".to_string()), "IN_PROGRESS".to_string()),
+        (c, Some("PENDING".to_string()), "IN_PROGRESS".to_string()),
+        (a, Some("IN_PROGRESS".to_string()), "DONE".to_string()),
+    ];
+    let logged = sql
+        .query(
+            "SELECT seq, issue_id, from_status, to_status FROM issue_transition
+              WHERE issue_id = ANY($1) ORDER BY seq",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    let seqs: Vec<i64> = logged.iter().map(|r| r.get(0)).collect();
+    let rows: Vec<(i64, Option<String>, String)> = logged
+        .iter()
+        .map(|r| (r.get(1), r.get(2), r.get(3)))
+        .collect();
+    assert_eq!(rows, expected);
+    assert!(
+        seqs.windows(2).all(|w| w[1] == w[0] + 1),
+        "one commit's seqs are consecutive: {seqs:?}"
+    );
+    for (seq, (id, from, to)) in seqs.iter().zip(&expected) {
+        let t = within(10, "the transition", live.recv()).await.unwrap();
+        assert_eq!(
+            (t.seq, t.issue_id, t.from.map(|s| s.as_str()), t.to.as_str()),
+            (*seq, *id, from.as_deref(), to.as_str())
+        );
+    }
+
+    // Until its commit, a transaction's own statements wait in the batch
+    // table, one row per statement with transitions.
+    sql.batch_execute("BEGIN").await.unwrap();
+    sql.execute(
+        "UPDATE issue SET title = 'renamed' WHERE id = ANY($1)",
+        &[&ids],
+    )
+    .await
+    .unwrap();
+    sql.execute(
+        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = $1",
+        &[&b],
+    )
+    .await
+    .unwrap();
+    let waiting: i64 = sql
+        .query_one("SELECT count(*) FROM issue_transition_batch", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(waiting, 1, "the rename stages nothing, the claim one batch");
+    sql.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue_transition_batch")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT count(*) FROM issue_transition WHERE issue_id = {b}"
+        ))
+        .await,
+        1,
+        "the rolled-back claim is not logged"
+    );
+    stop.cancel();
+}
+
+/// The log pairs each issue's old and new row by id, and articles,
+/// briefings and the log name issues by it: it cannot change, and a
+/// refused change changes nothing.
+#[tokio::test]
+async fn an_issues_id_cannot_change() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let sql = db.raw().await;
+    let err = sql
+        .execute(
+            "UPDATE issue SET id = id + 1000, processing_status = 'IN_PROGRESS' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap_err();
+    let db_err = err.as_db_error().expect("a database error");
+    assert_eq!(db_err.code().code(), "23514");
+    assert!(
+        db_err.message().contains("an issue's id cannot change"),
+        "{}",
+        db_err.message()
+    );
+    assert_eq!(db.status_of(id).await, "PENDING");
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT count(*) FROM issue_transition WHERE issue_id IN ({id}, {id} + 1000)"
+        ))
+        .await,
+        1
+    );
+}
