@@ -10,9 +10,9 @@
 -- Now a statement trigger gathers the statement's transitions from its
 -- transition tables, outside the lock, into one row of
 -- `issue_transition_batch`; that row's deferred trigger takes the lock at
--- commit, logs the batch with one INSERT, reads the key once, then signs
--- and announces each row as 0019 did (the same payload, to the byte) and
--- deletes the batch. Batches are flushed in the order their statements
+-- commit, deletes the batch and logs it with one statement, reads the key
+-- once, then signs and announces each row as 0019 did (the same payload,
+-- to the byte). Batches are flushed in the order their statements
 -- ran; within a statement, in the order of the issues' ids.
 --
 -- The statement trigger pairs each issue's old and new row by `id`, so an
@@ -48,6 +48,12 @@ BEGIN
           FROM new_rows n
         HAVING count(*) > 0;
     ELSE
+        -- A claim that takes nothing updates no row, and most claims of
+        -- a busy start take nothing: spare them the gathering, which costs
+        -- more than such a claim itself (docs/performance.md).
+        IF NOT EXISTS (SELECT FROM new_rows) THEN
+            RETURN NULL;
+        END IF;
         INSERT INTO @extschema@.issue_transition_batch (transitions)
         SELECT array_agg(ROW(n.id, o.processing_status, n.processing_status, n.attempts, n.claim_id, n.claimed_by,
                              CASE WHEN n.processing_status = 'FAILED' THEN n.last_error END,
@@ -88,6 +94,7 @@ BEGIN
     IF pg_advisory_xact_lock(7236284560371893001) IS NULL THEN NULL; END IF;
     SELECT k.inner_pad, k.outer_pad INTO key_inner, key_outer FROM @extschema@.notification_key k;
     FOR logged IN
+        WITH flushed AS (DELETE FROM @extschema@.issue_transition_batch WHERE id = NEW.id)
         INSERT INTO @extschema@.issue_transition (issue_id, from_status, to_status, at, attempts, claim_id, claimed_by, reason, fatal)
         SELECT t.issue_id, t.from_status, t.to_status, clock_timestamp(), t.attempts, t.claim_id, t.claimed_by, t.reason, t.fatal
           FROM unnest(NEW.transitions) WITH ORDINALITY AS t
@@ -111,7 +118,6 @@ BEGIN
         END IF;
         IF pg_notify('issue_transition', payload) IS NULL THEN NULL; END IF;
     END LOOP;
-    DELETE FROM @extschema@.issue_transition_batch WHERE id = NEW.id;
     RETURN NULL;
 END
 $$;
