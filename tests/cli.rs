@@ -75,9 +75,9 @@ async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
         );
         assert_eq!(
             db.scalar_i64("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'issue'::regclass AND NOT tgisinternal").await,
-            // Before insert and update, the id kept, the log's two, and
-            // the removal notices' two.
-            7
+            // Before insert and update, the log's two, and the removal
+            // notices' two.
+            6
         );
         // Every setting, the six of migration 17 included.
         assert_eq!(db.scalar_i64("SELECT count(*) FROM setting").await, 16);

@@ -386,8 +386,7 @@ async fn a_writer_adds_issues_and_moves_them_enforced_logged_and_announced() {
     let may_call: bool = w
         .query_one(
             "SELECT has_function_privilege('public.issue_before_update()', 'EXECUTE')
-                 OR has_function_privilege('public.issue_transition_stage()', 'EXECUTE')
-                 OR has_function_privilege('public.issue_transition_flush()', 'EXECUTE')",
+                 OR has_function_privilege('public.issue_transition_record()', 'EXECUTE')",
             &[],
         )
         .await
@@ -590,9 +589,7 @@ async fn a_writer_may_do_nothing_else() {
         "ALTER TABLE issue DISABLE TRIGGER USER",
         "CREATE TRIGGER mine BEFORE UPDATE ON issue FOR EACH ROW EXECUTE FUNCTION issue_before_insert()",
         "SET session_replication_role = replica",
-        "SELECT public.issue_transition_stage()",
-        "SELECT public.issue_transition_flush()",
-        "INSERT INTO issue_transition_batch (transitions) VALUES ('{}')",
+        "SELECT public.issue_transition_record()",
         "SELECT public.setting_validate()",
         "SELECT * FROM notification_key",
         "SELECT public.newsnack_rotate_notification_key()",
@@ -1126,7 +1123,7 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
             }
         }
     }
-    assert_eq!(triggers, 10);
+    assert_eq!(triggers, 8);
     // And every trigger on the tables runs one of them.
     let foreign: i64 = client
         .query_one(

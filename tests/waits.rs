@@ -439,21 +439,19 @@ async fn the_deciding_raw_sql_commit_resolves_the_wait_without_any_query_in_betw
         .await
         .unwrap();
     // Every statement in this database except this count itself and the
-    // transition triggers' own statements (which run inside the UPDATE
-    // and its commit and are counted separately by pg_stat_statements: the
-    // statement's check for rows and its batch, the commit's log rows and
-    // signing key; the lock and NOTIFY are expressions, migrations 19 and
-    // 20), the listener's probe of its new session (a NOTIFY to itself,
-    // which may come after the first count), and the listener's reads of
-    // the log, counted on their own.
+    // transition trigger's own statements (which run inside the UPDATE's
+    // commit and are counted separately by pg_stat_statements: its log
+    // row and its signing key; its lock and NOTIFY are expressions,
+    // migration 19), the listener's probe of its new session (a NOTIFY to
+    // itself, which may come after the first count), and the listener's
+    // reads of the log, counted on their own.
     let count = |what: &str| {
         format!(
             "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
               WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
                 AND query NOT LIKE '%pg_stat_statements%'
                 AND query NOT LIKE 'SELECT pg_notify%'
-                AND query NOT LIKE '%issue_transition_batch%'
-                AND query NOT LIKE '%FROM new_rows%'
+                AND query NOT LIKE 'INSERT INTO %issue_transition%'
                 AND query NOT LIKE 'SELECT k.inner_pad, k.outer_pad%FROM %.notification_key k'
                 AND {what} (query = '{}')",
             newsnack::db::transition::READ_AFTER.replace('\'', "''")

@@ -112,11 +112,6 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "leaner transition record",
         sql: include_str!("../../sql/0019_leaner_transition_record.sql"),
     },
-    Migration {
-        version: 20,
-        name: "transitions logged per statement",
-        sql: include_str!("../../sql/0020_transitions_logged_per_statement.sql"),
-    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -18,10 +18,8 @@ use tokio_postgres::{Client, Transaction};
 use super::{advisory, migrate, DbError};
 
 /// Tables no other role may read: `notification_key` signs the log's
-/// notifications (migration 18), and whoever reads it can forge them;
-/// `issue_transition_batch` holds a transaction's transitions until its
-/// commit logs them (migration 20), nothing another role needs.
-pub const OWNER_ONLY_TABLES: &[&str] = &["notification_key", "issue_transition_batch"];
+/// notifications (migration 18), and whoever reads it can forge them.
+pub const OWNER_ONLY_TABLES: &[&str] = &["notification_key"];
 
 /// Which privileges a role gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
