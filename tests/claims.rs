@@ -401,9 +401,10 @@ async fn retries_take_only_failed_issues_with_attempts_left() {
         let claim = |ids: Vec<i64>, scope: ClaimScope| {
             let (client, session) = (&client, &session);
             async move {
-                let outcome = match kept {
-                    true => claim_issues(session, &ids, "w", LEASE, scope).await,
-                    false => claim_issues(client, &ids, "w", LEASE, scope).await,
+                let outcome = if kept {
+                    claim_issues(session, &ids, "w", LEASE, scope).await
+                } else {
+                    claim_issues(client, &ids, "w", LEASE, scope).await
                 };
                 outcome.unwrap()
             }
