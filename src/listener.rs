@@ -3,7 +3,7 @@
 //!
 //! `issue_transition` is the truth. Anyone may send a notification on any
 //! channel, so a payload is published only when the log's trigger signed
-//! it (an HMAC with a key only the owner reads, migration 18) and it
+//! it (a MAC with a key only the owner reads, migrations 18 and 20) and it
 //! follows the last published `seq`. Any other notification that names a
 //! `seq` not yet published is a doorbell: the listener reads the log after
 //! the last published `seq`, and what the log holds is published, strictly

@@ -658,6 +658,12 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
         .batch_execute(&format!("CREATE SCHEMA {role} AUTHORIZATION {role}"))
         .await
         .unwrap();
+    // Open to all, the owner whose rights the rules run with included: a
+    // schema it may not use would be off its path whatever the setting.
+    client
+        .batch_execute(&format!("GRANT USAGE ON SCHEMA {role} TO PUBLIC"))
+        .await
+        .unwrap();
     let functions = client
         .query(
             "SELECT p.proname::text, pg_get_function_identity_arguments(p.oid),
@@ -824,6 +830,201 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
         );
     }
     assert!(shadowed >= 11);
+}
+
+/// The transition trigger has no search_path of its own (migration 20: the
+/// setting cost every transition under the log's lock), so it names every
+/// function, operator and type with its schema. A writer whose own schema
+/// comes before the catalogue, with a stand-in that fails for every
+/// built-in operator and for every built-in function and base type whose
+/// name the trigger's source holds, still claims, fails, resets and
+/// finishes an issue (the lease moved on for a claim held open), each transition in
+/// the real log and signed with the owner's key. Leave one name
+/// unqualified and the stand-in's error fails the commit.
+#[tokio::test]
+async fn the_transition_trigger_names_nothing_a_caller_can_shadow() {
+    let owned = Owned::new().await;
+    let writer = owned.role("writer").await;
+    owned.grant(RoleKind::Writer, &writer).await.unwrap();
+    owned
+        .admin()
+        .await
+        .batch_execute(&format!("CREATE SCHEMA {writer} AUTHORIZATION {writer}"))
+        .await
+        .unwrap();
+    let owner = owned.owner().await;
+    let mut listening = owned.listen_as(&owned.owner).await;
+    let id = add_issue(&owner, "Shadowed").await;
+    listening.transition().await;
+    let key: Vec<u8> = owner
+        .query_one("SELECT key FROM public.notification_key", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let key = newsnack::transition::NotificationKey::new(&key);
+
+    // A new session, so that the trigger is compiled under the shadows;
+    // the schema open to all, the owner whose rights the trigger runs
+    // with included (a schema it may not use is not on its path).
+    let w = owned.connect_as(&writer).await;
+    w.batch_execute(&format!(
+        r#"SET search_path = {writer}, pg_catalog, public;
+        GRANT USAGE ON SCHEMA {writer} TO PUBLIC;
+        DO $shadow$
+        DECLARE
+            source pg_catalog.text := (SELECT p.prosrc FROM pg_catalog.pg_proc p
+                WHERE p.oid OPERATOR(pg_catalog.=) 'public.issue_transition_record()'::pg_catalog.regprocedure);
+            f record;
+            fails pg_catalog.text := 'LANGUAGE plpgsql AS $f$BEGIN RAISE EXCEPTION ''a shadow ran''; END$f$';
+        BEGIN
+            FOR f IN SELECT o.oid, o.oprname, o.oprleft::pg_catalog.regtype AS l,
+                            o.oprright::pg_catalog.regtype AS r, o.oprresult::pg_catalog.regtype AS result
+                       FROM pg_catalog.pg_operator o
+                      WHERE o.oprnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace LOOP
+                BEGIN
+                    IF f.l IS NULL THEN
+                        EXECUTE pg_catalog.format('CREATE FUNCTION {writer}.op%s(%s) RETURNS %s %s',
+                            f.oid, f.r, f.result, fails);
+                        EXECUTE pg_catalog.format('CREATE OPERATOR {writer}.%s (RIGHTARG = %s, FUNCTION = {writer}.op%s)',
+                            f.oprname, f.r, f.oid);
+                    ELSE
+                        EXECUTE pg_catalog.format('CREATE FUNCTION {writer}.op%s(%s, %s) RETURNS %s %s',
+                            f.oid, f.l, f.r, f.result, fails);
+                        EXECUTE pg_catalog.format('CREATE OPERATOR {writer}.%s (LEFTARG = %s, RIGHTARG = %s, FUNCTION = {writer}.op%s)',
+                            f.oprname, f.l, f.r, f.oid);
+                    END IF;
+                EXCEPTION WHEN OTHERS THEN NULL;
+                END;
+            END LOOP;
+            FOR f IN SELECT p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) AS args,
+                            pg_catalog.pg_get_function_result(p.oid) AS result
+                       FROM pg_catalog.pg_proc p
+                      WHERE p.pronamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace
+                        AND p.prokind OPERATOR(pg_catalog.=) 'f'
+                        AND source OPERATOR(pg_catalog.~) ('\m' OPERATOR(pg_catalog.||) p.proname OPERATOR(pg_catalog.||) '\M') LOOP
+                BEGIN
+                    EXECUTE pg_catalog.format('CREATE FUNCTION {writer}.%I(%s) RETURNS %s %s',
+                        f.proname, f.args, f.result, fails);
+                EXCEPTION WHEN OTHERS THEN NULL;
+                END;
+            END LOOP;
+            FOR f IN SELECT t.typname FROM pg_catalog.pg_type t
+                      WHERE t.typnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace
+                        AND t.typtype OPERATOR(pg_catalog.=) 'b'
+                        AND source OPERATOR(pg_catalog.~) ('\m' OPERATOR(pg_catalog.||) t.typname OPERATOR(pg_catalog.||) '\M') LOOP
+                EXECUTE pg_catalog.format('CREATE DOMAIN {writer}.%I AS pg_catalog.int4 CHECK (VALUE IS NULL)', f.typname);
+            END LOOP;
+        END
+        $shadow$;"#
+    ))
+    .await
+    .unwrap();
+    let shadows = w
+        .query_one(
+            "SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_operator
+                      WHERE oprnamespace OPERATOR(pg_catalog.=) $1::pg_catalog.text::pg_catalog.regnamespace),
+                    (SELECT pg_catalog.array_agg(proname::pg_catalog.text ORDER BY proname) FROM pg_catalog.pg_proc
+                      WHERE pronamespace OPERATOR(pg_catalog.=) $1::pg_catalog.text::pg_catalog.regnamespace
+                        AND proname OPERATOR(pg_catalog.!~) '^op[0-9]+$'),
+                    (SELECT pg_catalog.array_agg(typname::pg_catalog.text ORDER BY typname) FROM pg_catalog.pg_type
+                      WHERE typnamespace OPERATOR(pg_catalog.=) $1::pg_catalog.text::pg_catalog.regnamespace
+                        AND typtype OPERATOR(pg_catalog.=) 'd')",
+            &[&writer],
+        )
+        .await
+        .unwrap();
+    let (operators, functions, types): (i64, Vec<String>, Vec<String>) =
+        (shadows.get(0), shadows.get(1), shadows.get(2));
+    assert!(operators >= 500, "{operators} operators shadowed");
+    for function in [
+        "clock_timestamp",
+        "convert_to",
+        "encode",
+        "now",
+        "pg_advisory_xact_lock",
+        "pg_notify",
+        "sha384",
+        "to_json",
+    ] {
+        assert!(
+            functions.iter().any(|f| f == function),
+            "{function}: {functions:?}"
+        );
+    }
+    for shadowed_type in ["bool", "bytea", "int8", "interval", "text", "timestamptz"] {
+        assert!(
+            types.iter().any(|t| t == shadowed_type),
+            "{shadowed_type}: {types:?}"
+        );
+    }
+    // The stand-ins are what this session finds.
+    let err = w
+        .query_one("SELECT 1 = 1", &[])
+        .await
+        .expect_err("the shadow of = fails");
+    assert_eq!(
+        err.as_db_error().map(|e| e.message()),
+        Some("a shadow ran"),
+        "{err:?}"
+    );
+
+    let set = |to: &'static str| {
+        format!(
+            "UPDATE public.issue SET processing_status = '{to}' WHERE id OPERATOR(pg_catalog.=) {id}"
+        )
+    };
+    // A claim held open for more than a second: its lease moves on at commit.
+    w.batch_execute(&format!(
+        "BEGIN; {}; SELECT pg_catalog.pg_sleep(1.2); COMMIT",
+        set("IN_PROGRESS")
+    ))
+    .await
+    .unwrap();
+    // Without the move it would run out 1.2 s before the claim's log time
+    // plus the lease (60 s).
+    let lease_after_commit: f64 = owner
+        .query_one(
+            "SELECT extract(epoch FROM i.lease_until - t.at)::float8
+               FROM public.issue i JOIN public.issue_transition t ON t.issue_id = i.id
+              WHERE i.id = $1 AND t.to_status = 'IN_PROGRESS'",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        (59.5..=60.0).contains(&lease_after_commit),
+        "{lease_after_commit}"
+    );
+    for step in [
+        set("FAILED"),
+        set("PENDING"),
+        set("IN_PROGRESS"),
+        set("DONE"),
+    ] {
+        w.batch_execute(&step).await.unwrap();
+    }
+    let mut announced = Vec::new();
+    for _ in 0..5 {
+        let payload = listening.next("issue_transition").await;
+        let t = key
+            .verify(&payload)
+            .unwrap_or_else(|| panic!("signed with the owner's key: {payload}"));
+        announced.push((t.issue_id, t.to.to_string()));
+    }
+    let statuses = ["IN_PROGRESS", "FAILED", "PENDING", "IN_PROGRESS", "DONE"];
+    assert_eq!(announced, statuses.map(|s| (id, s.to_string())).to_vec());
+    let logged: Vec<String> = owner
+        .query(
+            "SELECT to_status FROM public.issue_transition WHERE issue_id = $1 AND from_status IS NOT NULL ORDER BY seq",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(logged, statuses);
 }
 
 /// Before PostgreSQL 15 every role may create objects in `public` by
@@ -1068,7 +1269,8 @@ async fn an_empty_search_path_works_with_qualified_names() {
 
 /// A later migration that replaces a rule's function without repeating
 /// SECURITY DEFINER and the search_path would undo all of this: every
-/// trigger function runs as its owner with a fixed search_path, and PUBLIC
+/// trigger function runs as its owner with a fixed search_path (but the
+/// transition trigger, which names everything with its schema), and PUBLIC
 /// may not call it; every other function has the fixed search_path, but
 /// the two that run on every transition (see migration 15) and the
 /// service's claim and completion (migration 16), which run as their
@@ -1101,7 +1303,13 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
         if trigger {
             triggers += 1;
             assert!(definer, "{name} runs as its owner");
-            assert_eq!(config, fixed, "{name}");
+            if name == "issue_transition_record" {
+                // It names everything with its schema instead (migration
+                // 20): the_transition_trigger_names_nothing_a_caller_can_shadow.
+                assert_eq!(config, None, "{name}");
+            } else {
+                assert_eq!(config, fixed, "{name}");
+            }
             assert!(!public_may_call, "{name}");
         } else if name == "newsnack_rotate_notification_key" {
             assert!(!definer, "{name} runs as its caller");
@@ -1128,7 +1336,8 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
     let foreign: i64 = client
         .query_one(
             "SELECT count(*) FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
-              WHERE NOT t.tgisinternal AND (NOT p.prosecdef OR p.proconfig IS NULL)",
+              WHERE NOT t.tgisinternal
+                AND (NOT p.prosecdef OR (p.proconfig IS NULL AND p.proname <> 'issue_transition_record'))",
             &[],
         )
         .await

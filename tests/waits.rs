@@ -452,7 +452,7 @@ async fn the_deciding_raw_sql_commit_resolves_the_wait_without_any_query_in_betw
                 AND query NOT LIKE '%pg_stat_statements%'
                 AND query NOT LIKE 'SELECT pg_notify%'
                 AND query NOT LIKE 'INSERT INTO %issue_transition%'
-                AND query NOT LIKE 'SELECT k.inner_pad, k.outer_pad%FROM %.notification_key k'
+                AND query NOT LIKE 'SELECT k.key%FROM %.notification_key k'
                 AND {what} (query = '{}')",
             newsnack::db::transition::READ_AFTER.replace('\'', "''")
         )

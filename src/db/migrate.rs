@@ -112,6 +112,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "leaner transition record",
         sql: include_str!("../../sql/0019_leaner_transition_record.sql"),
     },
+    Migration {
+        version: 20,
+        name: "shorter log lock",
+        sql: include_str!("../../sql/0020_shorter_log_lock.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.
