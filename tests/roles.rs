@@ -735,6 +735,16 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
     functions.len()
 }
 
+/// The key the log's trigger signs with, read as the owner.
+async fn notification_key(owner: &Client) -> newsnack::transition::NotificationKey {
+    let key: Vec<u8> = owner
+        .query_one("SELECT key FROM public.notification_key", &[])
+        .await
+        .unwrap()
+        .get(0);
+    newsnack::transition::NotificationKey::new(&key)
+}
+
 /// A claim made in `client`'s session: the lease it got (seconds from now)
 /// and its token.
 async fn claim(client: &Client, id: i64) -> (f64, i64) {
@@ -772,12 +782,7 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
     for _ in 0..5 {
         listening.transition().await;
     }
-    let key: Vec<u8> = owner
-        .query_one("SELECT key FROM public.notification_key", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let key = newsnack::transition::NotificationKey::new(&key);
+    let key = notification_key(&owner).await;
 
     // Its own schema first (the default path), then before the catalogue
     // too, so that its operators win.
@@ -856,12 +861,7 @@ async fn the_transition_trigger_names_nothing_a_caller_can_shadow() {
     let mut listening = owned.listen_as(&owned.owner).await;
     let id = add_issue(&owner, "Shadowed").await;
     listening.transition().await;
-    let key: Vec<u8> = owner
-        .query_one("SELECT key FROM public.notification_key", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let key = newsnack::transition::NotificationKey::new(&key);
+    let key = notification_key(&owner).await;
 
     // A new session, so that the trigger is compiled under the shadows;
     // the schema open to all, the owner whose rights the trigger runs
