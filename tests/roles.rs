@@ -646,24 +646,29 @@ async fn a_reader_reads_everything_and_writes_nothing() {
     assert_eq!(snapshot(&owner).await, before);
 }
 
-/// The writer's own schema, first on its search_path by default
-/// (`"$user", public`), with a stand-in for every function of the schema
-/// and for the catalogue's functions and operators the rules use; temp
-/// tables for the log and the settings. Returns how many functions of the
-/// schema it shadowed.
-async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize {
+/// A schema named after `role` and owned by it, which every role may use:
+/// the owner whose rights the rules run with included, since a schema it
+/// may not use would be off its path whatever the setting.
+async fn schema_of_its_own(owned: &Owned, role: &str, client: &Client) {
     owned
         .admin()
         .await
         .batch_execute(&format!("CREATE SCHEMA {role} AUTHORIZATION {role}"))
         .await
         .unwrap();
-    // Open to all, the owner whose rights the rules run with included: a
-    // schema it may not use would be off its path whatever the setting.
     client
         .batch_execute(&format!("GRANT USAGE ON SCHEMA {role} TO PUBLIC"))
         .await
         .unwrap();
+}
+
+/// The writer's own schema, first on its search_path by default
+/// (`"$user", public`), with a stand-in for every function of the schema
+/// and for the catalogue's functions and operators the rules use; temp
+/// tables for the log and the settings. Returns how many functions of the
+/// schema it shadowed.
+async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize {
+    schema_of_its_own(owned, role, client).await;
     let functions = client
         .query(
             "SELECT p.proname::text, pg_get_function_identity_arguments(p.oid),
@@ -843,33 +848,25 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
 /// comes before the catalogue, with a stand-in that fails for every
 /// built-in operator and for every built-in function and base type whose
 /// name the trigger's source holds, still claims, fails, resets and
-/// finishes an issue (the lease moved on for a claim held open), each transition in
-/// the real log and signed with the owner's key. Leave one name
-/// unqualified and the stand-in's error fails the commit.
+/// finishes an issue (the lease moved on for a claim held open), each
+/// transition in the real log and signed with the owner's key. Leave one
+/// name unqualified and the stand-in's error fails the commit.
 #[tokio::test]
 async fn the_transition_trigger_names_nothing_a_caller_can_shadow() {
     let owned = Owned::new().await;
     let writer = owned.role("writer").await;
     owned.grant(RoleKind::Writer, &writer).await.unwrap();
-    owned
-        .admin()
-        .await
-        .batch_execute(&format!("CREATE SCHEMA {writer} AUTHORIZATION {writer}"))
-        .await
-        .unwrap();
     let owner = owned.owner().await;
     let mut listening = owned.listen_as(&owned.owner).await;
     let id = add_issue(&owner, "Shadowed").await;
     listening.transition().await;
     let key = notification_key(&owner).await;
 
-    // A new session, so that the trigger is compiled under the shadows;
-    // the schema open to all, the owner whose rights the trigger runs
-    // with included (a schema it may not use is not on its path).
+    // A new session, so that the trigger is compiled under the shadows.
     let w = owned.connect_as(&writer).await;
+    schema_of_its_own(&owned, &writer, &w).await;
     w.batch_execute(&format!(
         r#"SET search_path = {writer}, pg_catalog, public;
-        GRANT USAGE ON SCHEMA {writer} TO PUBLIC;
         DO $shadow$
         DECLARE
             source pg_catalog.text := (SELECT p.prosrc FROM pg_catalog.pg_proc p
