@@ -16,7 +16,7 @@ use crate::claim::Claimer;
 use crate::db::{self, DbError, PoolOptions};
 use crate::done_issues::DoneIssues;
 use crate::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedPostgres};
-use crate::http::{self, AppState};
+use crate::http::{self, Services};
 use crate::listener::{Listener, ListenerOptions, TransitionHub};
 use crate::llm_budget::LlmBudget;
 use crate::pipeline::{Pipeline, PipelineScheduler};
@@ -305,7 +305,7 @@ pub async fn start(
         }
         .run(shutdown.clone()),
     );
-    let app = http::router(AppState {
+    let app = http::router(Services {
         pool: core.pool.clone(),
         hub: core.hub.clone(),
         claimer: core.claimer.clone(),

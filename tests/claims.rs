@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{within, TestDb};
-use newsnack::db::issue::{claim_issues, kept_claim_statement, ClaimScope};
+use newsnack::db::issue::{
+    claim_issues, complete, kept_claim_statement, ClaimScope, Completion, Fenced,
+    KEPT_COMPLETE_STATEMENT,
+};
 use newsnack::db::DbPool;
 use tokio::sync::Barrier;
 
@@ -287,6 +290,135 @@ async fn the_kept_claim_is_the_statement_of_the_claim_function() {
         let expected = format!("{before}AND {branch} {after}");
         assert_eq!(words(kept_claim_statement(scope)), expected, "{scope:?}");
     }
+}
+
+/// With no pooler in front, a pooled session keeps the completion as a
+/// named statement too, and the server keeps its generic plan for one-id
+/// completions on statistics that say most issues are done, where a plan
+/// that saw the ids would look cheaper. Behind a pooler nothing is kept.
+#[tokio::test]
+async fn the_completion_is_kept_per_session_with_its_generic_plan() {
+    use newsnack::db::{PoolOptions, Statements};
+    let db = TestDb::new().await;
+    db.add_issues(2_000).await;
+    db.raw()
+        .await
+        .batch_execute(
+            "ALTER TABLE issue DISABLE TRIGGER USER;
+             UPDATE issue SET processing_status = 'DONE';
+             ALTER TABLE issue ENABLE TRIGGER USER;
+             ANALYZE issue;",
+        )
+        .await
+        .unwrap();
+    let ids = db.add_issues(9).await;
+    // (statements kept, the kept completion's generic plans) on the session.
+    let kept =
+        "SELECT count(*), COALESCE(sum(generic_plans) FILTER (WHERE statement = $1), 0)::bigint
+                  FROM pg_prepared_statements
+                 WHERE (statement = $1 OR statement LIKE '%newsnack_complete(%')
+                   AND statement NOT LIKE '%pg_prepared_statements%'";
+    let complete_one = |pool: DbPool, id: i64| async move {
+        let client = pool.get().await.unwrap();
+        let session = pool.session(&client);
+        let claimed = claim_issues(&session, &[id], "w", LEASE, ClaimScope::Claimable)
+            .await
+            .unwrap()
+            .claimed;
+        assert_eq!(claimed.len(), 1, "issue {id} claimed");
+        let written = complete(
+            &session,
+            &[Completion {
+                id,
+                claim_id: claimed[0].claim_id,
+                headline: format!("headline {id}"),
+                body: "body".into(),
+                usage: Default::default(),
+            }],
+            "w",
+        )
+        .await
+        .unwrap();
+        assert_eq!(written, vec![Fenced::Written], "issue {id} completed");
+        let row = client
+            .query_one(kept, &[&KEPT_COMPLETE_STATEMENT])
+            .await
+            .unwrap();
+        (row.get::<_, i64>(0), row.get::<_, i64>(1))
+    };
+    let named = db.pool_of_one(Duration::from_secs(5));
+    let mut seen = (0, 0);
+    for &id in &ids[..7] {
+        seen = complete_one(named.clone(), id).await;
+    }
+    assert_eq!(
+        seen,
+        (1, 2),
+        "kept once; the 6th and 7th calls run the generic plan"
+    );
+
+    let pooled = newsnack::db::pool(
+        &db.endpoint,
+        &PoolOptions {
+            max_size: 1,
+            statements: Statements::Unnamed,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        complete_one(pooled, ids[7]).await.0,
+        0,
+        "nothing kept behind a pooler"
+    );
+    let done: i64 = db
+        .raw()
+        .await
+        .query_one(
+            "SELECT count(*) FROM issue i JOIN ai_article a ON a.issue_id = i.id
+              WHERE i.id = ANY($1) AND i.processing_status = 'DONE' AND a.claim_id = i.claim_id",
+            &[&ids[..8].to_vec()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        done, 8,
+        "each completion wrote its issue's article and set it DONE"
+    );
+}
+
+/// The kept completion is `newsnack_complete`'s statement, as the server
+/// holds it, with the function's arguments for parameters and the ids read
+/// through scalar subqueries: a change to one without the other fails here.
+#[tokio::test]
+async fn the_kept_completion_is_the_statement_of_the_completion_function() {
+    let db = TestDb::new().await;
+    let client = db.pool.get().await.unwrap();
+    let row = client
+        .query_one(
+            "SELECT p.prosrc, n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE p.proname = 'newsnack_complete'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (body, schema): (String, String) = (row.get(0), row.get(1));
+    let words = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let expected = words(&body)
+        .split_once("RETURN QUERY ")
+        .and_then(|(_, rest)| rest.split_once("; END"))
+        .expect("the function returns one query")
+        .0
+        .replace(&format!("{schema}."), "")
+        .replace(
+            "unnest(ids, claim_ids, headlines, bodies, prompt_tokens, completion_tokens)",
+            "unnest((SELECT $1::bigint[])::bigint[], $2::bigint[], $3::text[], $4::text[], \
+             $6::integer[], $7::integer[])",
+        )
+        .replace("ANY(ids)", "ANY((SELECT $1::bigint[])::bigint[])")
+        .replace("input.body, writer,", "input.body, $5,");
+    assert_eq!(words(KEPT_COMPLETE_STATEMENT), expected);
 }
 
 #[tokio::test]

@@ -574,7 +574,7 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
     );
     let shutdown = CancellationToken::new();
     shutdown.cancel();
-    let app = newsnack::http::router(newsnack::http::AppState {
+    let app = newsnack::http::router(newsnack::http::Services {
         pool: db.pool.clone(),
         hub: hub.clone(),
         claimer: newsnack::claim::Claimer::start(db.pool.clone(), "waits-shutdown".into(), 1),

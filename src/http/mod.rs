@@ -1,6 +1,6 @@
 //! The HTTP API (axum): one router per resource, one [`ApiError`], the
-//! shared [`AppState`]. [`router`] builds the whole app, so tests can drive
-//! it with or without a socket.
+//! shared [`AppState`] (the [`Services`] behind one `Arc`). [`router`]
+//! builds the whole app, so tests can drive it with or without a socket.
 //!
 //! Around every route: an `x-request-id` (the client's, or a new UUID) set on
 //! the request and echoed on the response, a request span carrying that id,
@@ -44,9 +44,23 @@ use crate::worker::GeneratorHandle;
 /// The largest request body accepted (1 MiB).
 pub const BODY_LIMIT: usize = 1024 * 1024;
 
-/// What every handler may use.
+/// What every handler may use, behind one `Arc`: axum clones the state for
+/// every request, and a clone of [`Services`] itself (pools, endpoints, a
+/// cancellation token, the token's text) costs a request about as much as
+/// its JSON (docs/performance.md).
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Services>);
+
+impl std::ops::Deref for AppState {
+    type Target = Services;
+
+    fn deref(&self) -> &Services {
+        &self.0
+    }
+}
+
+/// The service's parts the handlers use.
+pub struct Services {
     pub pool: DbPool,
     pub hub: TransitionHub,
     pub claimer: Claimer,
@@ -65,7 +79,8 @@ pub struct AppState {
 }
 
 /// The whole API.
-pub fn router(state: AppState) -> Router {
+pub fn router(services: Services) -> Router {
+    let state = AppState(Arc::new(services));
     let token = auth::ApiToken::new(state.api_token.as_deref());
     Router::new()
         .merge(issues::router())
