@@ -44,6 +44,11 @@
 //!    the answers themselves; these are the timings it leaves to the
 //!    machine.)
 //!
+//! `BENCH_STATEMENTS=1` loads `pg_stat_statements` and reports, for each
+//! phase's database, the statements and the triggers that took the most of
+//! the server's time (`database_time_by_statement`); it costs the server
+//! some time of its own, so compare such runs only with each other.
+//!
 //! `BENCH_DURABLE=0` turns fsync off. `BENCH_ONLY` (comma-separated:
 //! `idle`, `seeds`, `seeds_paced`, `seeds_together`, `seeds_together_paced`,
 //! `direct`, `direct_claimer`, `e2e`, `pool_pressure`) runs just those
@@ -88,10 +93,20 @@ async fn main() {
     let durable = knob("BENCH_DURABLE", 1) != 0;
     let started = Instant::now();
 
+    let statements = knob("BENCH_STATEMENTS", 0) != 0;
+    let mut settings = vec![("max_connections".to_string(), "300".to_string())];
+    if statements {
+        settings.push((
+            "shared_preload_libraries".into(),
+            "pg_stat_statements".into(),
+        ));
+        settings.push(("pg_stat_statements.track".into(), "all".into()));
+        settings.push(("track_functions".into(), "all".into()));
+    }
     let cluster = tokio::task::spawn_blocking(move || {
         EmbeddedPostgres::start(&EmbeddedOptions {
             durable,
-            settings: vec![("max_connections".into(), "300".into())],
+            settings,
             ..EmbeddedOptions::default()
         })
     })
@@ -161,6 +176,10 @@ async fn main() {
         false => None,
     };
 
+    let database_time = match statements {
+        true => Some(database_time(&admin, &cluster).await),
+        false => None,
+    };
     let unique_violations = server_log
         .and_then(|p| std::fs::read_to_string(p).ok())
         .map(|log| {
@@ -199,6 +218,7 @@ async fn main() {
         "end_to_end_two_instances": e2e,
         "pool_pressure": pressure,
         "unique_violations_in_server_log": unique_violations,
+        "database_time_by_statement": database_time,
         "total_seconds": round1(started.elapsed().as_secs_f64()),
         "targets": {
             "http_at_least_6000_requests_per_s":
@@ -214,6 +234,80 @@ async fn main() {
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();
+}
+
+/// With `BENCH_STATEMENTS=1`: for each phase's database, the statements
+/// that took the most of the server's time (`pg_stat_statements`, nested
+/// ones included, so a trigger's statements appear beside the statement
+/// that fired them) and the time of each trigger and function
+/// (`pg_stat_user_functions`).
+async fn database_time(
+    admin: &tokio_postgres::Client,
+    cluster: &EmbeddedPostgres,
+) -> serde_json::Value {
+    admin
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .unwrap();
+    let databases = admin
+        .query(
+            "SELECT datname FROM pg_database WHERE datname NOT IN ('postgres', 'template0', 'template1')
+              ORDER BY datname",
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut by_database = serde_json::Map::new();
+    for row in databases {
+        let name: String = row.get(0);
+        let statements = admin
+            .query(
+                "SELECT s.calls, round(s.total_exec_time::numeric, 1)::float8,
+                        round((1000 * s.total_exec_time / s.calls)::numeric, 1)::float8,
+                        s.rows, s.toplevel, left(regexp_replace(s.query, '\\s+', ' ', 'g'), 120)
+                   FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+                  WHERE d.datname = $1 AND s.calls > 0
+                  ORDER BY s.total_exec_time DESC LIMIT 10",
+                &[&name],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| {
+                json!({
+                    "calls": r.get::<_, i64>(0),
+                    "total_ms": r.get::<_, f64>(1),
+                    "mean_us": r.get::<_, f64>(2),
+                    "rows": r.get::<_, i64>(3),
+                    "top_level": r.get::<_, bool>(4),
+                    "statement": r.get::<_, String>(5),
+                })
+            })
+            .collect::<Vec<_>>();
+        let functions = connect(&cluster.url(&name))
+            .await
+            .query(
+                "SELECT funcname::text, calls, round(self_time::numeric, 1)::float8
+                   FROM pg_stat_user_functions ORDER BY self_time DESC LIMIT 10",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| {
+                json!({
+                    "function": r.get::<_, String>(0),
+                    "calls": r.get::<_, i64>(1),
+                    "self_ms": r.get::<_, f64>(2),
+                })
+            })
+            .collect::<Vec<_>>();
+        by_database.insert(
+            name,
+            json!({ "statements": statements, "functions": functions }),
+        );
+    }
+    serde_json::Value::Object(by_database)
 }
 
 /// Starts `newsnack serve` as a child, waits until it is ready, lets it

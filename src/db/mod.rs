@@ -14,6 +14,7 @@ pub mod setting;
 pub mod tls;
 pub mod transition;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
@@ -22,11 +23,13 @@ use futures::future::BoxFuture;
 pub use endpoint::{Database, Endpoint};
 
 /// The pooled connections every request and worker borrows from, with the
-/// endpoint they come from. Dereferences to the deadpool pool.
+/// endpoint they come from. Dereferences to the deadpool pool. Cloned for
+/// every request (the claimer and the generator each hold one), so the
+/// endpoint is shared rather than copied.
 #[derive(Clone)]
 pub struct DbPool {
     pool: Pool,
-    endpoint: Endpoint,
+    endpoint: Arc<Endpoint>,
     statements: Statements,
 }
 
@@ -517,7 +520,7 @@ pub fn pool(endpoint: &Endpoint, options: &PoolOptions) -> Result<DbPool, DbErro
         .map_err(|e| DbError::Invalid(format!("cannot build the connection pool: {e}")))?;
     Ok(DbPool {
         pool,
-        endpoint: endpoint.clone(),
+        endpoint: Arc::new(endpoint.clone()),
         statements: options.statements,
     })
 }
