@@ -159,17 +159,10 @@ async fn the_same_storm_catches_a_read_then_update_claimer() {
     );
 }
 
-/// With no pooler in front, a pooled session keeps the claim as a named
-/// statement, parsed once; a session that lost it (a pooler after all, a
-/// `DEALLOCATE ALL`) gets the claim unnamed, and keeps it again on the next.
-/// A pool for a transaction pooler keeps nothing on its sessions.
-#[tokio::test]
-async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
-    use newsnack::db::{PoolOptions, Statements};
-    let db = TestDb::new().await;
-    // Statistics that say most issues are done, as on a database in use: a
-    // plan that saw the statement's values would expect few rows to claim
-    // and look cheaper than the generic one.
+/// Statistics that say most issues are done, as on a database in use: a
+/// plan that saw a statement's values would expect few rows to claim or
+/// complete and look cheaper than the generic one.
+async fn most_issues_done(db: &TestDb) {
     db.add_issues(2_000).await;
     db.raw()
         .await
@@ -181,13 +174,51 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
         )
         .await
         .unwrap();
+}
+
+/// On `client`'s session: how many statements it keeps that are `kept` or a
+/// call of `function`, and how many generic plans `kept` ran.
+async fn kept_on_session(
+    client: &deadpool_postgres::Client,
+    kept: &str,
+    function: &str,
+) -> (i64, i64) {
+    let row = client
+        .query_one(
+            "SELECT count(*), COALESCE(sum(generic_plans) FILTER (WHERE statement = $1), 0)::bigint
+               FROM pg_prepared_statements
+              WHERE (statement = $1 OR statement LIKE '%' || $2 || '(%')
+                AND statement NOT LIKE '%pg_prepared_statements%'",
+            &[&kept, &function],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// A pool of one session for a transaction pooler: nothing kept on it.
+fn pool_for_a_pooler(db: &TestDb) -> DbPool {
+    use newsnack::db::{PoolOptions, Statements};
+    newsnack::db::pool(
+        &db.endpoint,
+        &PoolOptions {
+            max_size: 1,
+            statements: Statements::Unnamed,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// With no pooler in front, a pooled session keeps the claim as a named
+/// statement, parsed once; a session that lost it (a pooler after all, a
+/// `DEALLOCATE ALL`) gets the claim unnamed, and keeps it again on the next.
+/// A pool for a transaction pooler keeps nothing on its sessions.
+#[tokio::test]
+async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
+    let db = TestDb::new().await;
+    most_issues_done(&db).await;
     let ids = db.add_issues(10).await;
-    // (statements kept, the kept claim's generic plans) on the session.
-    let kept =
-        "SELECT count(*), COALESCE(sum(generic_plans) FILTER (WHERE statement = $1), 0)::bigint
-                  FROM pg_prepared_statements
-                 WHERE (statement = $1 OR statement LIKE '%newsnack_claim(%')
-                   AND statement NOT LIKE '%pg_prepared_statements%'";
     let claim = |pool: DbPool, id: i64| async move {
         let client = pool.get().await.unwrap();
         let outcome = claim_issues(
@@ -200,11 +231,12 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
         .await
         .unwrap();
         assert_eq!(outcome.claimed_ids(), vec![id]);
-        let row = client
-            .query_one(kept, &[&kept_claim_statement(ClaimScope::Claimable)])
-            .await
-            .unwrap();
-        (row.get::<_, i64>(0), row.get::<_, i64>(1))
+        kept_on_session(
+            &client,
+            kept_claim_statement(ClaimScope::Claimable),
+            "newsnack_claim",
+        )
+        .await
     };
     let named = db.pool_of_one(Duration::from_secs(5));
     assert_eq!(
@@ -228,15 +260,7 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
     }
     assert_eq!(generic, 2, "the 6th and 7th calls run the generic plan");
 
-    let pooled = newsnack::db::pool(
-        &db.endpoint,
-        &PoolOptions {
-            max_size: 1,
-            statements: Statements::Unnamed,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
+    let pooled = pool_for_a_pooler(&db);
     assert_eq!(
         claim(pooled, ids[9]).await.0,
         0,
@@ -298,26 +322,9 @@ async fn the_kept_claim_is_the_statement_of_the_claim_function() {
 /// that saw the ids would look cheaper. Behind a pooler nothing is kept.
 #[tokio::test]
 async fn the_completion_is_kept_per_session_with_its_generic_plan() {
-    use newsnack::db::{PoolOptions, Statements};
     let db = TestDb::new().await;
-    db.add_issues(2_000).await;
-    db.raw()
-        .await
-        .batch_execute(
-            "ALTER TABLE issue DISABLE TRIGGER USER;
-             UPDATE issue SET processing_status = 'DONE';
-             ALTER TABLE issue ENABLE TRIGGER USER;
-             ANALYZE issue;",
-        )
-        .await
-        .unwrap();
+    most_issues_done(&db).await;
     let ids = db.add_issues(9).await;
-    // (statements kept, the kept completion's generic plans) on the session.
-    let kept =
-        "SELECT count(*), COALESCE(sum(generic_plans) FILTER (WHERE statement = $1), 0)::bigint
-                  FROM pg_prepared_statements
-                 WHERE (statement = $1 OR statement LIKE '%newsnack_complete(%')
-                   AND statement NOT LIKE '%pg_prepared_statements%'";
     let complete_one = |pool: DbPool, id: i64| async move {
         let client = pool.get().await.unwrap();
         let session = pool.session(&client);
@@ -340,11 +347,7 @@ async fn the_completion_is_kept_per_session_with_its_generic_plan() {
         .await
         .unwrap();
         assert_eq!(written, vec![Fenced::Written], "issue {id} completed");
-        let row = client
-            .query_one(kept, &[&KEPT_COMPLETE_STATEMENT])
-            .await
-            .unwrap();
-        (row.get::<_, i64>(0), row.get::<_, i64>(1))
+        kept_on_session(&client, KEPT_COMPLETE_STATEMENT, "newsnack_complete").await
     };
     let named = db.pool_of_one(Duration::from_secs(5));
     let mut seen = (0, 0);
@@ -357,15 +360,7 @@ async fn the_completion_is_kept_per_session_with_its_generic_plan() {
         "kept once; the 6th and 7th calls run the generic plan"
     );
 
-    let pooled = newsnack::db::pool(
-        &db.endpoint,
-        &PoolOptions {
-            max_size: 1,
-            statements: Statements::Unnamed,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
+    let pooled = pool_for_a_pooler(&db);
     assert_eq!(
         complete_one(pooled, ids[7]).await.0,
         0,
