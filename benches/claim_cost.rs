@@ -21,6 +21,11 @@
 //! - `kept`: `kept_claim_statement`'s, prepared, the server left to choose
 //!   its plans: what the service sends where no pooler stands in front.
 //!
+//! Last, fresh issues are claimed (`kept`) and completed (the call of
+//! `newsnack_complete`), each statement its own transaction:
+//! `instructions_per_issue_claimed_and_completed`, the two writing
+//! statements' checks and rules and both transitions' records with them.
+//!
 //! Each script is also run with only its first [`WARM_UP`] claims; the
 //! difference, divided by [`CLAIMS`], is the cost of one claim in a session
 //! that has already planned what it keeps. Needs valgrind (`apt-get install
@@ -145,6 +150,20 @@ async fn main() {
         held_id <= next_id,
         "the claims that take nothing ask for held issues"
     );
+    // A whole claimed issue: the kept claim, then the completion as a
+    // pooler's session sends it (the function's call), each its own
+    // transaction, with fresh issues: both statements' checks and rules
+    // and both transitions' records.
+    let claimed_and_completed: ClaimText = Box::new(|id| {
+        format!(
+            "EXECUTE kept('{{{id}}}', 'bench', 60, NULL);\n\n\
+             SELECT * FROM newsnack_complete('{{{id}}}'::bigint[],
+                 ARRAY[(SELECT claim_id FROM issue WHERE id = {id})], '{{headline}}'::text[],
+                 '{{body}}'::text[], 'bench', '{{NULL}}'::integer[], '{{NULL}}'::integer[])"
+        )
+    });
+    let per_issue =
+        instructions_per_claim(&dir, &prelude("kept"), &claimed_and_completed, &mut next_id);
     let ratios = |report: &serde_json::Map<String, serde_json::Value>| {
         let get = |way: &str| report[way].as_f64().unwrap();
         let prepared = get("prepared_generic");
@@ -162,6 +181,7 @@ async fn main() {
         "ratios": ratios(&taking),
         "instructions_per_claim_taking_nothing": nothing,
         "ratios_taking_nothing": ratios(&nothing),
+        "instructions_per_issue_claimed_and_completed": per_issue.round(),
     });
     println!("{}", serde_json::to_string_pretty(&out).unwrap());
     tokio::task::spawn_blocking(move || drop(cluster))

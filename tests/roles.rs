@@ -842,17 +842,19 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
     assert!(shadowed >= 11);
 }
 
-/// The transition trigger has no search_path of its own (migration 20: the
-/// setting cost every transition under the log's lock), so it names every
-/// function, operator and type with its schema. A writer whose own schema
-/// comes before the catalogue, with a stand-in that fails for every
-/// built-in operator and for every built-in function and base type whose
-/// name the trigger's source holds, still claims, fails, resets and
-/// finishes an issue (the lease moved on for a claim held open), each
-/// transition in the real log and signed with the owner's key. Leave one
-/// name unqualified and the stand-in's error fails the commit.
+/// The issue's two row triggers have no search_path of their own (the
+/// log's since migration 20, the rule's since 21: the setting cost every
+/// row), so they and the two helpers the rule inlines name every function,
+/// operator and type with its schema. A writer whose own schema comes
+/// before the catalogue, with a stand-in that fails for every built-in
+/// operator and for every built-in function and base type whose name their
+/// sources hold, still claims, renames, fails, resets and finishes an issue
+/// (the lease moved on for a claim held open), each transition in the real
+/// log and signed with the owner's key, and is still refused `DONE ->
+/// PENDING` by the rule itself. Leave one name unqualified and the
+/// stand-in's error fails the statement or the commit.
 #[tokio::test]
-async fn the_transition_trigger_names_nothing_a_caller_can_shadow() {
+async fn the_row_triggers_name_nothing_a_caller_can_shadow() {
     let owned = Owned::new().await;
     let writer = owned.role("writer").await;
     owned.grant(RoleKind::Writer, &writer).await.unwrap();
@@ -869,8 +871,10 @@ async fn the_transition_trigger_names_nothing_a_caller_can_shadow() {
         r#"SET search_path = {writer}, pg_catalog, public;
         DO $shadow$
         DECLARE
-            source pg_catalog.text := (SELECT p.prosrc FROM pg_catalog.pg_proc p
-                WHERE p.oid OPERATOR(pg_catalog.=) 'public.issue_transition_record()'::pg_catalog.regprocedure);
+            source pg_catalog.text := (SELECT pg_catalog.string_agg(p.prosrc, ' ') FROM pg_catalog.pg_proc p
+                WHERE p.oid OPERATOR(pg_catalog.=) ANY (ARRAY['public.issue_transition_record()',
+                    'public.issue_before_update()', 'public.issue_transition_is_legal(text, text)',
+                    'public.newsnack_lease_seconds()']::pg_catalog.regprocedure[]));
             f record;
             fails pg_catalog.text := 'LANGUAGE plpgsql AS $f$BEGIN RAISE EXCEPTION ''a shadow ran''; END$f$';
         BEGIN
@@ -936,19 +940,32 @@ async fn the_transition_trigger_names_nothing_a_caller_can_shadow() {
     for function in [
         "clock_timestamp",
         "convert_to",
+        "current_setting",
         "encode",
+        "isfinite",
+        "make_interval",
+        "nextval",
         "now",
         "pg_advisory_xact_lock",
         "pg_notify",
         "sha384",
         "to_json",
+        "txid_current",
     ] {
         assert!(
             functions.iter().any(|f| f == function),
             "{function}: {functions:?}"
         );
     }
-    for shadowed_type in ["bool", "bytea", "int8", "interval", "text", "timestamptz"] {
+    for shadowed_type in [
+        "bool",
+        "bytea",
+        "int4",
+        "int8",
+        "interval",
+        "text",
+        "timestamptz",
+    ] {
         assert!(
             types.iter().any(|t| t == shadowed_type),
             "{shadowed_type}: {types:?}"
@@ -993,14 +1010,26 @@ async fn the_transition_trigger_names_nothing_a_caller_can_shadow() {
         (59.5..=60.0).contains(&lease_after_commit),
         "{lease_after_commit}"
     );
+    let rename =
+        format!("UPDATE public.issue SET title = 'Renamed' WHERE id OPERATOR(pg_catalog.=) {id}");
     for step in [
+        rename.clone(),
         set("FAILED"),
         set("PENDING"),
         set("IN_PROGRESS"),
         set("DONE"),
+        rename,
     ] {
         w.batch_execute(&step).await.unwrap();
     }
+    let refused = w.batch_execute(&set("PENDING")).await.unwrap_err();
+    assert_eq!(
+        refused.as_db_error().map(|e| e.message().to_string()),
+        Some(format!(
+            "illegal status transition for issue {id}: DONE -> PENDING"
+        )),
+        "{refused:?}"
+    );
     let mut announced = Vec::new();
     for _ in 0..5 {
         let payload = listening.next("issue_transition").await;
@@ -1300,9 +1329,9 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
         if trigger {
             triggers += 1;
             assert!(definer, "{name} runs as its owner");
-            if name == "issue_transition_record" {
-                // It names everything with its schema instead (migration
-                // 20): the_transition_trigger_names_nothing_a_caller_can_shadow.
+            if ["issue_transition_record", "issue_before_update"].contains(&name.as_str()) {
+                // They name everything with their schema instead (migrations
+                // 20 and 21): the_row_triggers_name_nothing_a_caller_can_shadow.
                 assert_eq!(config, None, "{name}");
             } else {
                 assert_eq!(config, fixed, "{name}");
@@ -1334,7 +1363,8 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
         .query_one(
             "SELECT count(*) FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
               WHERE NOT t.tgisinternal
-                AND (NOT p.prosecdef OR (p.proconfig IS NULL AND p.proname <> 'issue_transition_record'))",
+                AND (NOT p.prosecdef OR (p.proconfig IS NULL
+                     AND p.proname NOT IN ('issue_transition_record', 'issue_before_update')))",
             &[],
         )
         .await
@@ -1622,7 +1652,7 @@ async fn a_schema_of_its_own_is_the_one_the_rules_name() {
     );
     let config: Option<Vec<String>> = owner
         .query_one(
-            "SELECT proconfig FROM pg_proc WHERE oid = '\"News Snack\".issue_before_update()'::regprocedure",
+            "SELECT proconfig FROM pg_proc WHERE oid = '\"News Snack\".issue_before_insert()'::regprocedure",
             &[],
         )
         .await

@@ -236,6 +236,113 @@ async fn dates_the_service_cannot_read_are_refused_everywhere_from_raw_sql() {
     assert_eq!(db.scalar_i64(snapshot).await, before);
 }
 
+/// `issue`'s and `ai_article`'s checks hold by themselves, with every
+/// trigger bypassed as logical replication and `pg_restore` do (migration
+/// 21 wrote them in fewer nodes; the meaning is as before): a status
+/// outside the four, a score that is not finite, a time outside the years
+/// 1 to 9999 are refused, each by its constraint, and the bounds
+/// themselves are taken.
+#[tokio::test]
+async fn the_checks_refuse_by_themselves_what_the_triggers_would() {
+    let db = TestDb::new().await;
+    let id = db.add_issues(1).await[0];
+    let bypassing = db.raw().await;
+    bypassing
+        .batch_execute("SET session_replication_role = replica")
+        .await
+        .unwrap();
+    let snapshot = "SELECT (SELECT count(*) FROM ai_article)
+                         + (SELECT count(*) FROM issue WHERE processing_status = 'PENDING'
+                               AND score = 0 AND updated_at < '9000-01-01' AND collected_at < '9000-01-01')";
+    let before = db.scalar_i64(snapshot).await;
+    let refused = [
+        (
+            format!("UPDATE issue SET processing_status = 'SHIPPED' WHERE id = {id}"),
+            "issue_processing_status_valid",
+        ),
+        (
+            format!("UPDATE issue SET processing_status = 'done' WHERE id = {id}"),
+            "issue_processing_status_valid",
+        ),
+        (
+            format!("UPDATE issue SET score = 'NaN' WHERE id = {id}"),
+            "issue_score_finite",
+        ),
+        (
+            format!("UPDATE issue SET score = 'Infinity' WHERE id = {id}"),
+            "issue_score_finite",
+        ),
+        (
+            format!("UPDATE issue SET score = '-Infinity' WHERE id = {id}"),
+            "issue_score_finite",
+        ),
+        (
+            format!("UPDATE issue SET updated_at = 'infinity' WHERE id = {id}"),
+            "issue_updated_at_in_range",
+        ),
+        (
+            format!("UPDATE issue SET updated_at = '10000-01-01 00:00:00+00' WHERE id = {id}"),
+            "issue_updated_at_in_range",
+        ),
+        (
+            format!("UPDATE issue SET collected_at = '10000-01-01 00:00:00+00' WHERE id = {id}"),
+            "issue_collected_at_in_range",
+        ),
+        (
+            format!("UPDATE issue SET collected_at = '-infinity' WHERE id = {id}"),
+            "issue_collected_at_in_range",
+        ),
+        (
+            format!("UPDATE issue SET collected_at = '0001-01-01 00:00:00+01' WHERE id = {id}"),
+            "issue_collected_at_in_range",
+        ),
+        (
+            format!(
+                "INSERT INTO ai_article (issue_id, headline, body, writer, claim_id, created_at)
+                     VALUES ({id}, 'h', 'b', 'w', 1, '10000-01-01 00:00:00+00')"
+            ),
+            "ai_article_created_at_in_range",
+        ),
+        (
+            format!(
+                "INSERT INTO ai_article (issue_id, headline, body, writer, claim_id, created_at)
+                     VALUES ({id}, 'h', 'b', 'w', 1, 'infinity')"
+            ),
+            "ai_article_created_at_in_range",
+        ),
+    ];
+    for (write, constraint) in &refused {
+        let err = bypassing.batch_execute(write).await.unwrap_err();
+        assert_eq!(
+            err.as_db_error().and_then(|e| e.constraint()),
+            Some(*constraint),
+            "{write}: {err}"
+        );
+    }
+    assert_eq!(db.scalar_i64(snapshot).await, before);
+    for taken in [
+        format!("UPDATE issue SET processing_status = 'FAILED', score = -1e308 WHERE id = {id}"),
+        format!(
+            "UPDATE issue SET updated_at = '0001-01-01 00:00:00+00',
+                              collected_at = '9999-12-31 23:59:59.999999+00' WHERE id = {id}"
+        ),
+        format!(
+            "INSERT INTO ai_article (issue_id, headline, body, writer, claim_id, created_at)
+             VALUES ({id}, 'h', 'b', 'w', 1, '9999-12-31 23:59:59.999999+00')"
+        ),
+    ] {
+        bypassing.batch_execute(&taken).await.unwrap();
+    }
+    assert_eq!(
+        db.scalar_i64(&format!(
+            "SELECT count(*) FROM issue WHERE id = {id} AND processing_status = 'FAILED'
+                AND updated_at = '0001-01-01 00:00:00+00'"
+        ))
+        .await,
+        1
+    );
+}
+
 /// Any writer's `collected_at` must be one the service can read back
 /// (migration 8): `infinity` or the year 10000 would make every read of
 /// the issue fail.

@@ -117,6 +117,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "shorter log lock",
         sql: include_str!("../../sql/0020_shorter_log_lock.sql"),
     },
+    Migration {
+        version: 21,
+        name: "less per write",
+        sql: include_str!("../../sql/0021_less_per_write.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.
