@@ -268,6 +268,35 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
     );
 }
 
+/// `text` with every run of whitespace one space.
+fn words(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The one query `function` returns, as the server holds it, in
+/// [`words`], its schema's name taken off the names it qualifies.
+async fn returned_query(db: &TestDb, function: &str) -> String {
+    let row = db
+        .pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT p.prosrc, n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE p.proname = $1",
+            &[&function],
+        )
+        .await
+        .unwrap();
+    let (body, schema): (String, String) = (row.get(0), row.get(1));
+    words(&body)
+        .split_once("RETURN QUERY ")
+        .and_then(|(_, rest)| rest.split_once("; END"))
+        .expect("the function returns one query")
+        .0
+        .replace(&format!("{schema}."), "")
+}
+
 /// Each scope's kept claim is `newsnack_claim`'s statement, as the server
 /// holds it, with the scope's branch of its `CASE` in place of the `CASE`,
 /// and the function's arguments for parameters, the ids and the retry bound
@@ -276,24 +305,8 @@ async fn the_claim_is_kept_per_session_only_where_no_pooler_stands_in_front() {
 #[tokio::test]
 async fn the_kept_claim_is_the_statement_of_the_claim_function() {
     let db = TestDb::new().await;
-    let client = db.pool.get().await.unwrap();
-    let row = client
-        .query_one(
-            "SELECT p.prosrc, n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-              WHERE p.proname = 'newsnack_claim'",
-            &[],
-        )
+    let statement = returned_query(&db, "newsnack_claim")
         .await
-        .unwrap();
-    let (body, schema): (String, String) = (row.get(0), row.get(1));
-    let words = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
-    let body = words(&body);
-    let statement = body
-        .split_once("RETURN QUERY ")
-        .and_then(|(_, rest)| rest.split_once("; END"))
-        .expect("the function returns one query")
-        .0
-        .replace(&format!("{schema}."), "")
         .replace("ANY(ids)", "ANY((SELECT $1::bigint[])::bigint[])")
         .replace("holder", "$2")
         .replace("lease_s", "$3");
@@ -389,23 +402,8 @@ async fn the_completion_is_kept_per_session_with_its_generic_plan() {
 #[tokio::test]
 async fn the_kept_completion_is_the_statement_of_the_completion_function() {
     let db = TestDb::new().await;
-    let client = db.pool.get().await.unwrap();
-    let row = client
-        .query_one(
-            "SELECT p.prosrc, n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-              WHERE p.proname = 'newsnack_complete'",
-            &[],
-        )
+    let expected = returned_query(&db, "newsnack_complete")
         .await
-        .unwrap();
-    let (body, schema): (String, String) = (row.get(0), row.get(1));
-    let words = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
-    let expected = words(&body)
-        .split_once("RETURN QUERY ")
-        .and_then(|(_, rest)| rest.split_once("; END"))
-        .expect("the function returns one query")
-        .0
-        .replace(&format!("{schema}."), "")
         .replace(
             "unnest(ids, claim_ids, headlines, bodies, prompt_tokens, completion_tokens)",
             "unnest((SELECT $1::bigint[])::bigint[], $2::bigint[], $3::text[], $4::text[], \
