@@ -66,13 +66,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use newsnack::claim::Claimer;
+use newsnack::claims::claim::Claimer;
 use newsnack::db::issue::{claim_issues, insert_issues, ClaimScope, NewIssue};
 use newsnack::db::{self, DbPool, PoolOptions, Statements};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::listener::TransitionHub;
+use newsnack::events::listener::TransitionHub;
+use newsnack::model::status::Status;
 use newsnack::serve::{RunningService, ServeOptions};
-use newsnack::status::Status;
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::json;
 use tokio::sync::Barrier;

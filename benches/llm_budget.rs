@@ -40,8 +40,8 @@ use axum::{Json, Router};
 use common::{connect, knob, round1, round3};
 use newsnack::db::issue::{insert_issues, NewIssue};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::model::status::Status;
 use newsnack::serve::{RunningService, ServeOptions};
-use newsnack::status::Status;
 use newsnack::writer::{self, WriterConfig};
 use serde_json::{json, Value};
 

@@ -26,10 +26,10 @@ use common::{connect, knob, round3};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use newsnack::briefing::wait::{ArmedWait, WaitOutcome, WaitRequest};
 use newsnack::db::{self, DbPool, PoolOptions, Statements};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::listener::{Listener, ListenerOptions};
-use newsnack::wait::{ArmedWait, WaitOutcome, WaitRequest};
+use newsnack::events::listener::{Listener, ListenerOptions};
 use tokio_util::sync::CancellationToken;
 
 const ROUNDS: u32 = 5;

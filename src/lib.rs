@@ -26,33 +26,19 @@
 //! | [`shutdown`] | the one shutdown signal |
 //! | [`logging`] | log output that a failing destination cannot break |
 
-pub mod api_types;
 pub mod briefing;
-pub mod claim;
+pub mod claims;
 pub mod cli;
 pub mod db;
-pub mod demo;
-pub mod done_issues;
 pub mod embedded;
-pub mod group_commit;
+pub mod events;
+pub mod generation;
 pub mod http;
 pub mod input;
-pub mod listener;
-pub mod llm_budget;
 pub mod logging;
-pub mod machine;
 pub mod metrics;
-pub mod pipeline;
-pub mod reaper;
-pub mod retry;
-pub mod schedule;
+pub mod model;
 pub mod serve;
 pub mod settings;
 pub mod shutdown;
-pub mod status;
-pub mod stream;
-pub mod tail;
-pub mod transition;
-pub mod wait;
-pub mod worker;
 pub mod writer;

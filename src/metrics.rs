@@ -227,7 +227,7 @@ impl Drop for GaugeGuard {
     }
 }
 
-/// A claim through the [`crate::claim::Claimer`] answered: `claimed` ids
+/// A claim through the [`crate::claims::claim::Claimer`] answered: `claimed` ids
 /// were claimed, `skipped` were not claimable.
 pub fn claims_answered(claimed: usize, skipped: usize) {
     let _ = install();
@@ -236,14 +236,17 @@ pub fn claims_answered(claimed: usize, skipped: usize) {
 }
 
 /// Requested ids skipped because the instance knew them `DONE`, without
-/// asking the database ([`crate::done_issues`]).
+/// asking the database ([`crate::claims::known_done`]).
 pub fn claims_skipped_known_done(skipped: usize) {
     let _ = install();
     counter!(CLAIMS, "result" => "skipped_known_done").increment(skipped as u64);
 }
 
 /// The listener published a transition (`from` is `None` for a new issue).
-pub fn transition_published(from: Option<crate::status::Status>, to: crate::status::Status) {
+pub fn transition_published(
+    from: Option<crate::model::status::Status>,
+    to: crate::model::status::Status,
+) {
     let _ = install();
     let from = from.map_or("none", |s| s.as_str());
     counter!(TRANSITIONS, "from" => from, "to" => to.as_str()).increment(1);
@@ -268,7 +271,7 @@ pub fn llm_call_finished(took: Duration, error_kind: Option<&'static str>) {
 }
 
 /// The LLM reported `usage` for a call of this process.
-pub fn llm_tokens(usage: crate::writer::TokenUsage) {
+pub fn llm_tokens(usage: crate::model::llm::TokenUsage) {
     let _ = install();
     for (kind, tokens) in [
         ("prompt", usage.prompt_tokens),

@@ -12,18 +12,18 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::claim::Claimer;
+use crate::briefing::run::{Pipeline, PipelineScheduler};
+use crate::claims::claim::Claimer;
+use crate::claims::known_done::DoneIssues;
 use crate::db::{self, DbError, PoolOptions};
-use crate::done_issues::DoneIssues;
 use crate::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedPostgres};
+use crate::events::listener::{Listener, ListenerOptions, TransitionHub};
+use crate::generation::budget::LlmBudget;
+use crate::generation::reaper::LeaseReaper;
+use crate::generation::retry::{RetryScheduler, RetryScope};
+use crate::generation::worker::{Generator, GeneratorHandle};
 use crate::http::{self, Services};
-use crate::listener::{Listener, ListenerOptions, TransitionHub};
-use crate::llm_budget::LlmBudget;
-use crate::pipeline::{Pipeline, PipelineScheduler};
-use crate::reaper::LeaseReaper;
-use crate::retry::{RetryScheduler, RetryScope};
 use crate::settings::SettingsCache;
-use crate::worker::{Generator, GeneratorHandle};
 use crate::writer::SharedWriter;
 
 /// How to run the service.

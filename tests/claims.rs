@@ -33,7 +33,7 @@ enum Claimer {
 
 async fn claim_batch(
     pool: &DbPool,
-    merged: &newsnack::claim::Claimer,
+    merged: &newsnack::claims::claim::Claimer,
     how: Claimer,
     ids: &[i64],
     worker: &str,
@@ -89,7 +89,7 @@ async fn storm(db: &TestDb, how: Claimer) -> HashMap<i64, usize> {
     let ids = Arc::new(db.add_issues(ISSUES).await);
     let windows = ISSUES / BATCH;
     let start = Arc::new(Barrier::new(CLAIMERS));
-    let merged = newsnack::claim::Claimer::start(db.pool.clone(), "merged".into(), 2);
+    let merged = newsnack::claims::claim::Claimer::start(db.pool.clone(), "merged".into(), 2);
     let mut tasks = Vec::new();
     for c in 0..CLAIMERS {
         let (pool, ids, start) = (db.pool.clone(), ids.clone(), start.clone());
@@ -572,7 +572,7 @@ async fn merged_requests_answer_as_if_one_after_another() {
     db.move_with_sql(&ids[4..], &["IN_PROGRESS", "DONE"]).await;
     let calls = || db.claim_statements();
     let before = calls().await;
-    let claimer = newsnack::claim::Claimer::start(db.pool.clone(), "merged".into(), 1);
+    let claimer = newsnack::claims::claim::Claimer::start(db.pool.clone(), "merged".into(), 1);
     let ask = |wanted: Vec<i64>| claimer.claim(wanted, LEASE, ClaimScope::Claimable);
     // On this single-threaded runtime all four are queued before the lane
     // runs, so they form one batch.
@@ -682,7 +682,7 @@ async fn a_batch_that_gets_no_connection_is_answered_at_once() {
     let timeout = Duration::from_secs(5);
     let pool = db.pool_of_one(timeout);
     let busy = pool.get().await.unwrap();
-    let claimer = newsnack::claim::Claimer::start(pool.clone(), "starved".into(), 1);
+    let claimer = newsnack::claims::claim::Claimer::start(pool.clone(), "starved".into(), 1);
 
     tokio::time::pause();
     let started = tokio::time::Instant::now();
@@ -723,7 +723,7 @@ async fn a_claim_nobody_waits_for_any_more_is_released() {
     let (hub, _listening) = db.listener().await;
     let pool = db.pool_of_one(Duration::from_secs(60));
     let busy = pool.get().await.unwrap();
-    let claimer = newsnack::claim::Claimer::start(pool.clone(), "forgetful".into(), 1);
+    let claimer = newsnack::claims::claim::Claimer::start(pool.clone(), "forgetful".into(), 1);
     let mut claim = Box::pin(claimer.claim(vec![id], LEASE, ClaimScope::Claimable));
     assert!(futures::poll!(&mut claim).is_pending());
     within(30, "the batch to wait for a connection", async {
@@ -746,7 +746,7 @@ async fn a_claim_answered_but_never_read_is_released() {
     let db = TestDb::new().await;
     let id = db.add_issues(1).await[0];
     let (hub, _listening) = db.listener().await;
-    let claimer = newsnack::claim::Claimer::start(db.pool.clone(), "forgetful".into(), 1);
+    let claimer = newsnack::claims::claim::Claimer::start(db.pool.clone(), "forgetful".into(), 1);
     let mut claim = Box::pin(claimer.claim(vec![id], LEASE, ClaimScope::Claimable));
     assert!(futures::poll!(&mut claim).is_pending());
     common::until_status(&db, &hub, 30, id, "IN_PROGRESS").await;
@@ -756,7 +756,7 @@ async fn a_claim_answered_but_never_read_is_released() {
 
 /// Waits for `id` to be released as a claim nobody wanted: `FAILED` with
 /// its attempt given back.
-async fn released_unwanted(db: &TestDb, hub: &newsnack::listener::TransitionHub, id: i64) {
+async fn released_unwanted(db: &TestDb, hub: &newsnack::events::listener::TransitionHub, id: i64) {
     common::until_status(db, hub, 30, id, "FAILED").await;
     let row = db
         .raw()
@@ -769,7 +769,7 @@ async fn released_unwanted(db: &TestDb, hub: &newsnack::listener::TransitionHub,
         .unwrap();
     assert_eq!(
         row.get::<_, Option<String>>(0).as_deref(),
-        Some(newsnack::claim::UNWANTED_CLAIM)
+        Some(newsnack::claims::claim::UNWANTED_CLAIM)
     );
     assert_eq!(
         row.get::<_, i32>(1),

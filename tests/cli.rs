@@ -533,7 +533,7 @@ async fn run_pipeline_says_so_when_another_run_holds_the_lock_and_locks_lists_it
 /// generated expressions, common and broken, go through both.
 #[tokio::test]
 async fn the_database_accepts_only_schedules_the_scheduler_can_run() {
-    use newsnack::schedule::Schedule;
+    use newsnack::settings::schedule::Schedule;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
     let db = TestDb::new().await;

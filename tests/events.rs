@@ -325,7 +325,7 @@ async fn events_carry_seq_as_id_and_the_transition_as_json_filter_replay_and_rej
     );
     assert_eq!(data["attempts"], logged[1].1);
     // The same as the library's own type says, field for field.
-    let typed: newsnack::transition::Transition =
+    let typed: newsnack::model::transition::Transition =
         serde_json::from_str(&claimed.data).expect("data parses as a Transition");
     assert_eq!((typed.seq, typed.issue_id), (logged[1].0, a));
 

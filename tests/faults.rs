@@ -26,7 +26,7 @@ use common::subscribers::Recording;
 use common::{until_published, until_sql, within, TestDb};
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::listener::{Listener, ListenerOptions, ListenerStatus, TransitionHub};
+use newsnack::events::listener::{Listener, ListenerOptions, ListenerStatus, TransitionHub};
 use newsnack::serve::{RunningService, ServeOptions};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use serde_json::{json, Value};
@@ -1040,7 +1040,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
         4,
         Arc::new(OfflineWriter),
         Duration::from_secs(1),
-        newsnack::retry::RetryScope::everything(),
+        newsnack::generation::retry::RetryScope::everything(),
         &shutdown,
     )
     .await
@@ -1082,7 +1082,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
 
     // The same system with its reaper: the audit passes.
     let reaper = tokio::spawn(
-        newsnack::reaper::LeaseReaper {
+        newsnack::generation::reaper::LeaseReaper {
             endpoint: core.db.direct.clone(),
             settings: core.settings.clone(),
             instance: "reaper".into(),

@@ -16,9 +16,9 @@ use std::sync::Arc;
 
 use common::subscribers::Recording;
 use common::{until_published, within, TestDb};
-use newsnack::listener::ListenerOptions;
-use newsnack::status::Status;
-use newsnack::transition::NotificationKey;
+use newsnack::events::listener::ListenerOptions;
+use newsnack::model::status::Status;
+use newsnack::model::transition::NotificationKey;
 use newsnack::writer::OfflineWriter;
 use serde_json::json;
 

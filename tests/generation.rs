@@ -317,7 +317,7 @@ async fn post_issue_titled(db: &TestDb, addr: std::net::SocketAddr, title: &str)
 /// Waits until issue `id` is `FAILED` after `attempts` attempts.
 async fn until_failed_after(
     db: &TestDb,
-    hub: &newsnack::listener::TransitionHub,
+    hub: &newsnack::events::listener::TransitionHub,
     id: i64,
     attempts: i32,
 ) {
@@ -333,7 +333,7 @@ async fn until_failed_after(
 }
 
 /// Waits until every issue in the database is `DONE`.
-async fn until_all_done(db: &TestDb, hub: &newsnack::listener::TransitionHub) {
+async fn until_all_done(db: &TestDb, hub: &newsnack::events::listener::TransitionHub) {
     until_sql(
         db,
         hub,
@@ -618,10 +618,10 @@ async fn an_outcome_that_cannot_be_recorded_fails_at_once_with_the_reason() {
 /// away (the database is out of reach at start-up), then lets them through.
 #[tokio::test]
 async fn failures_left_from_before_start_are_retried_after_a_failed_first_look() {
-    use newsnack::claim::Claimer;
-    use newsnack::retry::RetryScheduler;
+    use newsnack::claims::claim::Claimer;
+    use newsnack::generation::retry::RetryScheduler;
+    use newsnack::generation::worker::Generator;
     use newsnack::settings::SettingsCache;
-    use newsnack::worker::Generator;
 
     let db = TestDb::new().await;
     db.set("retry_backoff_ms", "1").await;
@@ -634,7 +634,7 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
     let pool = newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap();
 
     let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::listener::Listener::start(
+    let (hub, _listener) = newsnack::events::listener::Listener::start(
         db.endpoint.clone(),
         pool.clone(),
         Default::default(),
@@ -658,7 +658,7 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
             claimer: Claimer::start(pool.clone(), "gated".into(), 1),
             generator: handle,
             settings,
-            scope: newsnack::retry::RetryScope::everything(),
+            scope: newsnack::generation::retry::RetryScope::everything(),
         }
         .run(stop.clone()),
     );
@@ -713,16 +713,16 @@ impl writer::Writer for HeldWriter {
 /// A generator on `pool` with a [`held_writer`], its listener and settings
 /// on the test database's own pool; `stop` ends them.
 struct HeldGenerator {
-    hub: newsnack::listener::TransitionHub,
+    hub: newsnack::events::listener::TransitionHub,
     stop: tokio_util::sync::CancellationToken,
-    handle: newsnack::worker::GeneratorHandle,
+    handle: newsnack::generation::worker::GeneratorHandle,
     calls: watch::Receiver<u32>,
     release: watch::Sender<bool>,
 }
 
 async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerator {
     let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::listener::Listener::start(
+    let (hub, _listener) = newsnack::events::listener::Listener::start(
         db.endpoint.clone(),
         db.pool.clone(),
         Default::default(),
@@ -735,7 +735,7 @@ async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerato
         hub.settings_changed(),
     ));
     let (writer, calls, release) = held_writer();
-    let (generator, handle) = newsnack::worker::Generator::new(
+    let (generator, handle) = newsnack::generation::worker::Generator::new(
         pool,
         writer,
         settings,
@@ -894,7 +894,7 @@ async fn a_full_backlog_turns_claims_away_until_it_is_written() {
 /// article being thrown away and the issue left to its lease.
 #[tokio::test]
 async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
-    use newsnack::claim::Claimer;
+    use newsnack::claims::claim::Claimer;
     use newsnack::db::issue::ClaimScope;
 
     let db = TestDb::new().await;
@@ -952,7 +952,7 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
 /// would be 200 s after the claim had run out).
 #[tokio::test]
 async fn a_claim_taken_under_a_shorter_lease_is_beaten_before_it_runs_out() {
-    use newsnack::claim::Claimer;
+    use newsnack::claims::claim::Claimer;
     use newsnack::db::issue::ClaimScope;
 
     let db = TestDb::new().await;
@@ -1120,7 +1120,7 @@ async fn the_reaper_reaps_while_its_pool_is_saturated() {
         hub.settings_changed(),
     ));
     let reaper = tokio::spawn(
-        newsnack::reaper::LeaseReaper {
+        newsnack::generation::reaper::LeaseReaper {
             endpoint: db.endpoint.clone(),
             settings,
             instance: "saturated".into(),

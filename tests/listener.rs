@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{within, TestDb};
-use newsnack::listener::ListenerOptions;
+use newsnack::events::listener::ListenerOptions;
 use newsnack::settings::SettingsCache;
 
 const TRANSITIONS: usize = 400;

@@ -22,7 +22,7 @@ use common::process::ServeProcess;
 use common::{until_sql, until_sql_polled, within, TestDb};
 use futures::future::BoxFuture;
 use newsnack::db::llm_budget::{exchange, CallToQueue, Exchange, ExchangeAnswer};
-use newsnack::llm_budget::Priority;
+use newsnack::model::llm::Priority;
 use newsnack::writer::{self, Article, IssueText, SharedWriter, WriteError, Writer, WriterConfig};
 use serde_json::{json, Value};
 use tokio::sync::watch;
@@ -95,7 +95,7 @@ async fn setting(db: &TestDb, key: &str) -> String {
         .get(0)
 }
 
-async fn until_done(db: &TestDb, hub: &newsnack::listener::TransitionHub, ids: &[i64]) {
+async fn until_done(db: &TestDb, hub: &newsnack::events::listener::TransitionHub, ids: &[i64]) {
     until_sql(
         db,
         hub,

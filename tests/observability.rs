@@ -16,9 +16,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use common::{within, TestDb};
 use futures::future::{BoxFuture, FutureExt};
-use newsnack::listener::TransitionHub;
+use newsnack::events::listener::TransitionHub;
+use newsnack::model::status::Status;
 use newsnack::serve::{RunningService, ServeOptions};
-use newsnack::status::Status;
 use newsnack::writer::{
     Article, IssueText, OfflineWriter, SharedWriter, WriteError, WriteErrorKind, Writer,
 };
@@ -133,7 +133,7 @@ async fn counts(db: &TestDb) -> Counts {
 /// Waits until the listener has published `n` transitions into `to`
 /// (subscribe before causing them).
 async fn transitions_into(
-    live: &mut tokio::sync::broadcast::Receiver<newsnack::transition::Transition>,
+    live: &mut tokio::sync::broadcast::Receiver<newsnack::model::transition::Transition>,
     to: Status,
     n: usize,
 ) -> Vec<i64> {

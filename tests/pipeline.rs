@@ -14,7 +14,7 @@ use std::sync::Arc;
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
 use common::{until_sql, until_sql_polled, within, TestDb};
-use newsnack::pipeline::Trigger;
+use newsnack::briefing::run::Trigger;
 use newsnack::writer::OfflineWriter;
 
 fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
@@ -463,7 +463,7 @@ async fn a_late_instance_leaves_a_tick_that_already_has_a_run_alone() {
         4,
         Arc::new(OfflineWriter),
         std::time::Duration::from_secs(1),
-        newsnack::retry::RetryScope::everything(),
+        newsnack::generation::retry::RetryScope::everything(),
         &shutdown,
     )
     .await
@@ -615,7 +615,7 @@ async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
 /// it once all five are claimed (so the run holds its lock and waits).
 async fn run_pipeline_in_flight(
     db: &TestDb,
-    hub: &newsnack::listener::TransitionHub,
+    hub: &newsnack::events::listener::TransitionHub,
     llm: &str,
 ) -> std::process::Child {
     let ids = scored_issues(db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;

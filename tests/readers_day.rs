@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 
 use common::TestDb;
-use newsnack::schedule::Schedule;
+use newsnack::settings::schedule::Schedule;
 use time::OffsetDateTime;
 
 /// A zone whose date differs from UTC's now: 14 hours ahead once it is
@@ -59,8 +59,8 @@ async fn a_pipeline_run_dates_and_titles_its_briefing_in_the_readers_zone() {
     let (date, title, body): (time::Date, String, String) = (row.get(0), row.get(1), row.get(2));
     let local: chrono_tz::Tz = zone.parse().unwrap();
     let local_days = [
-        newsnack::briefing::day_in(local, before),
-        newsnack::briefing::day_in(local, after),
+        newsnack::briefing::assembly::day_in(local, before),
+        newsnack::briefing::assembly::day_in(local, after),
     ];
     assert!(local_days.contains(&date), "{date} is {zone}'s date");
     assert_ne!(date, before.date(), "not UTC's date");
@@ -93,10 +93,10 @@ async fn the_default_title_is_the_english_one() {
             .unwrap();
         (row.get(0), row.get(1))
     };
-    assert_eq!(default, newsnack::briefing::DEFAULT_TITLE);
+    assert_eq!(default, newsnack::briefing::assembly::DEFAULT_TITLE);
     assert_eq!(value, default);
     assert_eq!(
-        newsnack::briefing::title(&value, time::macros::date!(2026 - 11 - 30)),
+        newsnack::briefing::assembly::title(&value, time::macros::date!(2026 - 11 - 30)),
         "newsnack — 30 November 2026"
     );
     // The prompts' defaults are the ones compiled in.

@@ -741,13 +741,13 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
 }
 
 /// The key the log's trigger signs with, read as the owner.
-async fn notification_key(owner: &Client) -> newsnack::transition::NotificationKey {
+async fn notification_key(owner: &Client) -> newsnack::model::transition::NotificationKey {
     let key: Vec<u8> = owner
         .query_one("SELECT key FROM public.notification_key", &[])
         .await
         .unwrap()
         .get(0);
-    newsnack::transition::NotificationKey::new(&key)
+    newsnack::model::transition::NotificationKey::new(&key)
 }
 
 /// A claim made in `client`'s session: the lease it got (seconds from now)
@@ -815,7 +815,7 @@ async fn a_writer_that_shadows_every_function_gets_the_real_rules_log_and_lease(
         let signed = key.verify(&payload);
         assert_eq!(
             signed.map(|t| (t.issue_id, t.to)),
-            Some((id, newsnack::status::Status::InProgress)),
+            Some((id, newsnack::model::status::Status::InProgress)),
             "{path}: announced and signed with the owner's key: {payload}"
         );
         let row = w

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{within, TestDb};
-use newsnack::status::Status;
+use newsnack::model::status::Status;
 use tokio_postgres::Client;
 
 /// Waits until `pid` is blocked on a lock.

@@ -5,8 +5,8 @@
 mod common;
 
 use common::{within, TestDb};
-use newsnack::machine::IssueMachine;
-use newsnack::status::Status;
+use newsnack::generation::machine::IssueMachine;
+use newsnack::model::status::Status;
 
 /// SQL that moves a fresh (PENDING) issue into `status` by legal steps.
 fn path_to(status: Status) -> &'static [&'static str] {

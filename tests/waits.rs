@@ -6,9 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::{until_published, within, TestDb};
+use newsnack::briefing::wait::{smart_wait, ArmedWait, WaitError, WaitOutcome, WaitRequest};
 use newsnack::db::DbError;
-use newsnack::listener::ListenerOptions;
-use newsnack::wait::{smart_wait, ArmedWait, WaitError, WaitOutcome, WaitRequest};
+use newsnack::events::listener::ListenerOptions;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
@@ -77,7 +77,7 @@ async fn a_failed_log_read_does_not_end_a_wait() {
     let ids = in_progress(&db, &sql, 3).await;
     let pool = db.pool_of_one(Duration::from_millis(100));
     let stop = CancellationToken::new();
-    let (hub, _task) = newsnack::listener::Listener::start(
+    let (hub, _task) = newsnack::events::listener::Listener::start(
         db.endpoint.clone(),
         pool.clone(),
         ListenerOptions {
@@ -565,7 +565,7 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
         db.pool.clone(),
         hub.settings_changed(),
     ));
-    let (_generator, generator) = newsnack::worker::Generator::new(
+    let (_generator, generator) = newsnack::generation::worker::Generator::new(
         db.pool.clone(),
         Arc::new(newsnack::writer::OfflineWriter),
         settings.clone(),
@@ -577,8 +577,12 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
     let app = newsnack::http::router(newsnack::http::Services {
         pool: db.pool.clone(),
         hub: hub.clone(),
-        claimer: newsnack::claim::Claimer::start(db.pool.clone(), "waits-shutdown".into(), 1),
-        done: newsnack::done_issues::DoneIssues::follow(&hub, stop.clone()),
+        claimer: newsnack::claims::claim::Claimer::start(
+            db.pool.clone(),
+            "waits-shutdown".into(),
+            1,
+        ),
+        done: newsnack::claims::known_done::DoneIssues::follow(&hub, stop.clone()),
         generator,
         settings,
         shutdown,

@@ -8,9 +8,9 @@ mod fake_llm;
 use std::time::Duration;
 
 use fake_llm::{FakeLlm, Reply};
+use newsnack::model::llm::TokenUsage;
 use newsnack::writer::{
-    self, Article, IssueText, Prompts, SharedWriter, TokenUsage, WriteError, WriteErrorKind,
-    WriterConfig,
+    self, Article, IssueText, Prompts, SharedWriter, WriteError, WriteErrorKind, WriterConfig,
 };
 use serde_json::json;
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use newsnack::claim::Claimer;
+use newsnack::claims::claim::Claimer;
 use newsnack::db::issue::{claim_issues, ClaimScope, NewIssue};
 use newsnack::db::DbPool;
 

@@ -6,7 +6,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
-use crate::status::Status;
+use crate::model::status::Status;
 
 /// One requested issue with its article, if it has one.
 #[derive(Debug, Clone, PartialEq)]

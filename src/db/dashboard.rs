@@ -20,7 +20,7 @@ use super::briefing::{self, Briefing};
 use super::llm_budget::{self, BudgetView};
 use super::pipeline_run::{self, RunView};
 use super::{DbError, Sql};
-use crate::status::Status;
+use crate::model::status::Status;
 
 /// How many in-flight claims, transitions and runs a snapshot carries.
 #[derive(Debug, Clone, Copy)]

@@ -10,7 +10,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
-use crate::status::Status;
+use crate::model::status::Status;
 
 /// An issue to add.
 #[derive(Debug, Clone)]
@@ -429,7 +429,7 @@ pub struct Completion {
     pub headline: String,
     pub body: String,
     /// What the model said writing it took.
-    pub usage: crate::writer::TokenUsage,
+    pub usage: crate::model::llm::TokenUsage,
 }
 
 /// The completion of [`complete`]: a call of `newsnack_complete`

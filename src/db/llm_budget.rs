@@ -9,7 +9,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
-use crate::llm_budget::Priority;
+use crate::model::llm::Priority;
 
 /// A call to queue: its claim, and its class (`None`: the class the issue
 /// was last asked for at, else briefing).

@@ -383,7 +383,7 @@ pub async fn accepts_writes(client: &impl Sql) -> Result<bool, DbError> {
 
 /// Parses a `processing_status` value read from the database; one outside
 /// the state machine is an error, not a panic.
-pub(crate) fn parse_status(text: &str) -> Result<crate::status::Status, DbError> {
+pub(crate) fn parse_status(text: &str) -> Result<crate::model::status::Status, DbError> {
     text.parse().map_err(|e| DbError::Invalid(format!("{e}")))
 }
 

@@ -5,7 +5,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
-use crate::transition::Transition;
+use crate::model::transition::Transition;
 
 /// [`read_after`] over the whole log: a range of the primary key. Public,
 /// like the next one, so that tests can check its plan.

@@ -3,16 +3,16 @@
 //! through `SKIP LOCKED` and handed to this instance's generator; the
 //! answer is 202 with what was claimed and skipped, or 409 when nothing was.
 //!
-//! Ids the instance already knows to be `DONE` ([`crate::done_issues`]) are
+//! Ids the instance already knows to be `DONE` ([`crate::claims::known_done`]) are
 //! skipped without asking the database: when batches overlap, most requested
-//! ids are. The rest go to the [`crate::claim::Claimer`], which merges
+//! ids are. The rest go to the [`crate::claims::claim::Claimer`], which merges
 //! concurrent requests into one statement; the `DONE` ids it reports are
 //! remembered. What a claim took reaches the generator even if the client
 //! hangs up before the answer.
 //!
 //! `"priority"` (`briefing`, the default, or `feed`) is the class the
 //! claimed issues' LLM calls wait in: while a briefing call waits on any
-//! instance, no feed call starts ([`crate::llm_budget`]); it is
+//! instance, no feed call starts ([`crate::generation::budget`]); it is
 //! remembered for the issues' retries.
 //!
 //! An instance holding `max_backlog` (`NEWSNACK_MAX_BACKLOG`, 10,000)
@@ -34,10 +34,10 @@ use serde::Deserialize;
 use super::error::{ApiError, ApiJson};
 use super::openapi::{ClaimConflict, ErrorBody};
 use super::AppState;
-use crate::api_types::ClaimAnswer;
 use crate::db::issue::ClaimScope;
+use crate::http::types::ClaimAnswer;
 use crate::input;
-use crate::llm_budget::Priority;
+use crate::model::llm::Priority;
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/ai-articles", post(request_articles))
@@ -46,7 +46,7 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ArticleRequest {
-    #[serde(deserialize_with = "crate::api_types::whole_ids")]
+    #[serde(deserialize_with = "crate::http::types::whole_ids")]
     #[schema(schema_with = super::openapi::id_list_schema)]
     issue_ids: Vec<i64>,
     /// Which LLM calls go first: `briefing` (the default) before `feed`,

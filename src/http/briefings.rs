@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::error::{positive_id, ApiError, ApiJson, ApiPath};
 use super::openapi::{AssembleConflict, ErrorBody};
 use super::AppState;
-use crate::briefing::{self, AssembleError, Assembled};
+use crate::briefing::assembly::{self, AssembleError, Assembled};
 use crate::db::{self, briefing::Briefing, pipeline_run::RunView, DbError};
 
 pub fn router() -> Router<AppState> {
@@ -25,7 +25,7 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AssembleBody {
-    #[serde(deserialize_with = "crate::api_types::whole_ids")]
+    #[serde(deserialize_with = "crate::http::types::whole_ids")]
     #[schema(schema_with = super::openapi::id_list_schema)]
     issue_ids: Vec<i64>,
 }
@@ -40,13 +40,13 @@ pub async fn assemble(
 ) -> Result<(StatusCode, Json<Assembled>), ApiError> {
     let settings = state.settings.get().await?;
     let client = state.pool.get().await.map_err(DbError::from)?;
-    match briefing::assemble(&client, &body.issue_ids, &settings).await {
+    match assembly::assemble(&client, &body.issue_ids, &settings).await {
         Ok(assembled) => Ok((StatusCode::CREATED, Json(assembled))),
         Err(AssembleError::Unpublishable {
             not_done,
             without_article,
         }) => Err(ApiError::Conflict(
-            briefing::unpublishable(&not_done, &without_article),
+            assembly::unpublishable(&not_done, &without_article),
             serde_json::json!({ "not_done": not_done, "without_article": without_article }),
         )),
         Err(AssembleError::Input(e)) => Err(e.into()),

@@ -60,7 +60,7 @@ async fn snapshot(State(state): State<AppState>) -> Result<impl IntoResponse, Ap
     let settings = state.settings.get().await?;
     // Today in the readers' time zone (UTC if the binary cannot read it).
     let zone = settings.time_zone().unwrap_or(chrono_tz::UTC);
-    let today_began = crate::briefing::day_began(zone, time::OffsetDateTime::now_utc());
+    let today_began = crate::briefing::assembly::day_began(zone, time::OffsetDateTime::now_utc());
     let mut client = state.pool.get().await.map_err(DbError::from)?;
     let snapshot: Snapshot =
         db::dashboard::snapshot(&mut client, Default::default(), today_began).await?;

@@ -86,9 +86,9 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::error::ApiError;
 use super::AppState;
-use crate::listener::{ListenerStatus, StartingPoint, TransitionHub};
-use crate::stream::TransitionStream;
-use crate::transition::Transition;
+use crate::events::listener::{ListenerStatus, StartingPoint, TransitionHub};
+use crate::events::stream::TransitionStream;
+use crate::model::transition::Transition;
 
 /// How often a keep-alive comment is sent on a quiet stream.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(15);

@@ -9,8 +9,8 @@ use serde::Deserialize;
 use super::error::{positive_id, ApiError, ApiJson, ApiPath};
 use super::openapi::ErrorBody;
 use super::AppState;
-use crate::api_types::{AddedIssues, NewIssueJson};
 use crate::db::issue::{self, IssueView, NewIssue};
+use crate::http::types::{AddedIssues, NewIssueJson};
 use crate::input;
 
 pub fn router() -> Router<AppState> {

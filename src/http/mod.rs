@@ -18,6 +18,7 @@ pub mod events;
 pub mod health;
 pub mod issues;
 pub mod openapi;
+pub mod types;
 pub mod waits;
 
 use std::sync::Arc;
@@ -34,12 +35,12 @@ use tower_http::trace::TraceLayer;
 
 pub use error::ApiError;
 
-use crate::claim::Claimer;
+use crate::claims::claim::Claimer;
+use crate::claims::known_done::DoneIssues;
 use crate::db::DbPool;
-use crate::done_issues::DoneIssues;
-use crate::listener::TransitionHub;
+use crate::events::listener::TransitionHub;
+use crate::generation::worker::GeneratorHandle;
 use crate::settings::SettingsCache;
-use crate::worker::GeneratorHandle;
 
 /// The largest request body accepted (1 MiB).
 pub const BODY_LIMIT: usize = 1024 * 1024;

@@ -25,7 +25,7 @@
 //! most [`input::MAX_BODY_CHARS`], neither holding a NUL character
 //! ([`TITLE_PATTERN`], [`BODY_PATTERN`]); a `collected_at` whose year is in
 //! [`input::COLLECTED_YEARS`] ([`COLLECTED_AT_PATTERN`]). Integers follow
-//! JSON Schema: `2.0` is the integer 2 ([`crate::api_types::whole_ids`]).
+//! JSON Schema: `2.0` is the integer 2 ([`crate::http::types::whole_ids`]).
 
 use std::sync::Arc;
 
@@ -64,16 +64,16 @@ use crate::input;
     components(schemas(
         ErrorBody,
         crate::db::issue::IssueView,
-        crate::status::Status,
-        crate::api_types::NewIssueJson,
-        crate::api_types::AddedIssues,
-        crate::api_types::ClaimAnswer,
+        crate::model::status::Status,
+        crate::http::types::NewIssueJson,
+        crate::http::types::AddedIssues,
+        crate::http::types::ClaimAnswer,
         ClaimConflict,
-        crate::wait::WaitReport,
-        crate::wait::WaitOutcome,
+        crate::briefing::wait::WaitReport,
+        crate::briefing::wait::WaitOutcome,
         crate::db::briefing::Briefing,
         crate::db::pipeline_run::RunView,
-        crate::briefing::Assembled,
+        crate::briefing::assembly::Assembled,
         AssembleConflict,
         super::health::Health,
         super::health::Readiness,

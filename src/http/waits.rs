@@ -10,8 +10,8 @@ use serde::Deserialize;
 use super::error::{ApiError, ApiJson};
 use super::openapi::ErrorBody;
 use super::AppState;
+use crate::briefing::wait::{self, WaitError, WaitReport, WaitRequest};
 use crate::input;
-use crate::wait::{self, WaitError, WaitReport, WaitRequest};
 
 /// The longest wait a request may ask for (one day).
 pub const MAX_TIMEOUT_S: u64 = 86_400;
@@ -23,7 +23,7 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WaitBody {
-    #[serde(deserialize_with = "crate::api_types::whole_ids")]
+    #[serde(deserialize_with = "crate::http::types::whole_ids")]
     #[schema(schema_with = super::openapi::id_list_schema)]
     issue_ids: Vec<i64>,
     /// Seconds (default: the `content_gen_timeout_s` setting).
@@ -31,7 +31,7 @@ pub struct WaitBody {
     timeout_s: Option<f64>,
     /// How many targets must be `DONE` at the deadline for `timeout_pass`
     /// (default: the `content_gen_min_completion` setting).
-    #[serde(default, deserialize_with = "crate::api_types::whole_option")]
+    #[serde(default, deserialize_with = "crate::http::types::whole_option")]
     #[schema(minimum = 0, maximum = 1000)]
     min_completion: Option<i64>,
 }

@@ -19,6 +19,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::db::issue::ClaimedIssue;
+use crate::model::llm::TokenUsage;
 
 pub use offline::OfflineWriter;
 pub use openai::OpenAiWriter;
@@ -73,14 +74,6 @@ impl<'a> IssueText<'a> {
             prompts,
         }
     }
-}
-
-/// What a model said it spent on one article, from the API's `usage`
-/// (`None` where it did not say).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TokenUsage {
-    pub prompt_tokens: Option<i32>,
-    pub completion_tokens: Option<i32>,
 }
 
 /// What a writer produces. `body` holds paragraphs separated by a blank line.

@@ -8,7 +8,8 @@
 
 use futures::future::{BoxFuture, FutureExt};
 
-use super::{Article, IssueText, TokenUsage, WriteError, Writer};
+use super::{Article, IssueText, WriteError, Writer};
+use crate::model::llm::TokenUsage;
 
 /// The last paragraph of every offline article.
 pub const CLOSING_LINE: &str = "newsnack will update this story as it develops.";

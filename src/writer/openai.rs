@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use crate::model::llm::TokenUsage;
 use futures::future::BoxFuture;
 use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, RETRY_AFTER};
 use reqwest::{StatusCode, Url};
@@ -18,8 +19,8 @@ use serde_json::Value;
 use time::OffsetDateTime;
 
 use super::{
-    parse_llm_url, Article, IssueText, TokenUsage, WriteError, WriteErrorKind, Writer,
-    WriterConfig, WriterConfigError,
+    parse_llm_url, Article, IssueText, WriteError, WriteErrorKind, Writer, WriterConfig,
+    WriterConfigError,
 };
 
 /// What the model is told it is: the default of the `llm_system_prompt`

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use newsnack::db::DbPool;
-use newsnack::listener::TransitionHub;
+use newsnack::events::listener::TransitionHub;
 use serde_json::Value;
 use time::OffsetDateTime;
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::listener::{Listener, ListenerOptions, TransitionHub};
+use newsnack::events::listener::{Listener, ListenerOptions, TransitionHub};
 use newsnack::serve::{RunningService, ServeOptions};
 use newsnack::writer::SharedWriter;
 use tokio_postgres::{Client, NoTls};

@@ -1,6 +1,6 @@
 //! Transition subscribers that record the `seq` of everything they are
 //! handed, for the audit to compare with the log: the crate's own
-//! [`newsnack::stream::TransitionStream`], an SSE client on `GET /events`
+//! [`newsnack::events::stream::TransitionStream`], an SSE client on `GET /events`
 //! that resumes with `Last-Event-ID` (on the same instance or the next one
 //! when its instance goes away), and `newsnack tail --json` as a process.
 //!
@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use newsnack::listener::TransitionHub;
+use newsnack::events::listener::TransitionHub;
 use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
 

@@ -26,7 +26,7 @@
 
 use statig::prelude::*;
 
-use crate::status::Status;
+use crate::model::status::Status;
 
 /// What the service should do because an issue entered a state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! Every claimed issue gets a task that heartbeats its lease while it waits
 //! for an LLM slot and while the writer works. A writer that calls an LLM
 //! gets its slots from the budget all instances share
-//! ([`crate::llm_budget`]: `llm_max_in_flight` across the cluster,
+//! ([`crate::generation::budget`]: `llm_max_in_flight` across the cluster,
 //! `generation_concurrency` per instance, briefing before feed, a rate
 //! limit's pause); any other writer from a semaphore sized by the
 //! `generation_concurrency` setting, resized live when it changes. A call
@@ -16,7 +16,7 @@
 //! claim, so a reaped and re-claimed issue is never overwritten by a late
 //! worker.
 //!
-//! Completions are group-committed ([`crate::group_commit`]): articles that
+//! Completions are group-committed ([`crate::claims::group_commit`]): articles that
 //! finish together are recorded by one statement, so a fast writer is not
 //! held back by one notifying commit per article.
 //!
@@ -35,10 +35,11 @@ use tokio::sync::{mpsc, oneshot, Semaphore, SemaphorePermit};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::claims::group_commit::{each_or_alone, GroupCommit};
 use crate::db::issue::{self, ClaimedIssue, Completion, Fenced, RetryPolicy};
 use crate::db::{DbError, DbPool};
-use crate::group_commit::{each_or_alone, GroupCommit};
-use crate::llm_budget::{BudgetAgent, CallSlot, LlmBudget, Priority};
+use crate::generation::budget::{BudgetAgent, CallSlot, LlmBudget};
+use crate::model::llm::Priority;
 use crate::settings::{Settings, SettingsCache};
 use crate::writer::{IssueText, SharedWriter};
 

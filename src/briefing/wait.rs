@@ -42,9 +42,9 @@ use statig::prelude::*;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, DbError, DbPool};
-use crate::listener::TransitionHub;
-use crate::status::Status;
-use crate::stream::{StreamError, TransitionStream};
+use crate::events::listener::TransitionHub;
+use crate::events::stream::{StreamError, TransitionStream};
+use crate::model::status::Status;
 
 /// How a wait ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
@@ -287,7 +287,7 @@ impl ArmedWait {
     }
 
     /// Records a transition of one of the targets; false for other issues.
-    fn take_in(&mut self, t: &crate::transition::Transition) -> bool {
+    fn take_in(&mut self, t: &crate::model::transition::Transition) -> bool {
         let Some(target) = self.targets.get_mut(&t.issue_id) else {
             return false;
         };

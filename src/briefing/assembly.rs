@@ -15,8 +15,8 @@ use time::{Date, OffsetDateTime};
 
 use crate::db::{self, DbError};
 use crate::input::{self, InvalidInput};
+use crate::model::status::Status;
 use crate::settings::{SettingError, Settings};
-use crate::status::Status;
 
 /// The default of the `briefing_title` setting (migration 17 holds the
 /// same text).

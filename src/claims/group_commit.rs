@@ -9,7 +9,7 @@
 //! nothing waits; under heavy load batches grow by themselves while the
 //! previous commit flushes.
 //!
-//! Used by [`crate::claim::Claimer`] for claims and by the generator for
+//! Used by [`crate::claims::claim::Claimer`] for claims and by the generator for
 //! completions.
 
 use std::future::Future;

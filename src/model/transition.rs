@@ -7,7 +7,7 @@ use sha2::{Digest, Sha384};
 use subtle::ConstantTimeEq;
 use time::OffsetDateTime;
 
-use crate::status::Status;
+use crate::model::status::Status;
 
 /// A committed status change. `seq` is the log position: strictly increasing
 /// in commit order, so it doubles as a resume cursor.

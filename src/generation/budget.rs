@@ -30,28 +30,9 @@ use tokio::time::Instant;
 use crate::db::issue::ClaimedIssue;
 use crate::db::llm_budget::{self, CallToQueue, Exchange, ExchangeAnswer, PauseInForce};
 use crate::db::{DbError, DbPool};
-use crate::listener::TransitionHub;
+use crate::events::listener::TransitionHub;
+use crate::model::llm::Priority;
 use crate::settings::SettingsCache;
-
-/// Which calls go first: `briefing` (the default of `POST /ai-articles`,
-/// and every pipeline run) before `feed`.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize, utoipa::ToSchema,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Priority {
-    Briefing,
-    Feed,
-}
-
-impl Priority {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::Briefing => "briefing",
-            Priority::Feed => "feed",
-        }
-    }
-}
 
 /// The first and the longest pause between exchanges that failed.
 const EXCHANGE_RETRY: (Duration, Duration) = (Duration::from_millis(250), Duration::from_secs(5));

@@ -15,13 +15,13 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
-use crate::api_types::NewIssueJson;
+use crate::briefing::run::{PipelineError, Trigger};
+use crate::cli::tail::{self, TailStyle};
 use crate::db::issue::NewIssue;
 use crate::db::{self, DbError};
 use crate::embedded::EmbeddedPostgres;
-use crate::pipeline::{PipelineError, Trigger};
+use crate::http::types::NewIssueJson;
 use crate::serve::{self, Core, ServeError};
-use crate::tail::{self, TailStyle};
 use crate::writer::{Article, IssueText, OfflineWriter, WriteError, WriteErrorKind, Writer};
 
 const SAMPLE_ISSUES: &str = include_str!("sample_issues.json");
@@ -242,7 +242,7 @@ async fn show(
         8,
         writer,
         Duration::from_secs(5),
-        crate::retry::RetryScope::everything(),
+        crate::generation::retry::RetryScope::everything(),
         shutdown,
     )
     .await?;

@@ -35,8 +35,8 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::listener::TransitionHub;
-use crate::status::Status;
+use crate::events::listener::TransitionHub;
+use crate::model::status::Status;
 
 /// Ids remembered at most (a few MB even when scattered).
 pub const MAX_IDS: u64 = 4_000_000;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::broadcast;
 
 use crate::db::{self, DbError, DbPool};
-use crate::transition::Transition;
+use crate::model::transition::Transition;
 
 /// Why a stream stopped.
 #[derive(Debug, thiserror::Error)]

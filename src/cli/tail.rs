@@ -4,8 +4,8 @@
 use time::format_description::well_known::Rfc3339;
 use time::macros::format_description;
 
-use crate::status::Status;
-use crate::transition::Transition;
+use crate::model::status::Status;
+use crate::model::transition::Transition;
 
 /// The output format of the tail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

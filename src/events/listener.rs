@@ -36,8 +36,8 @@ use tokio_postgres::{AsyncMessage, Client, Notification};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, DbError, DbPool};
-use crate::stream::TransitionStream;
-use crate::transition::{NotificationKey, Transition};
+use crate::events::stream::TransitionStream;
+use crate::model::transition::{NotificationKey, Transition};
 
 /// The channel transitions are announced on (fixed by the contract).
 pub const TRANSITION_CHANNEL: &str = "issue_transition";

@@ -7,6 +7,8 @@
 //! asked) and [`Settings::time_zone`] (the readers' day and the cron
 //! schedule's clock).
 
+pub mod schedule;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -39,7 +41,7 @@ pub struct Settings {
     pub generation_concurrency: i64,
     pub retry_backoff_ms: i64,
     pub retry_backoff_max_ms: i64,
-    /// `off`, `every <n>s|m|h`, or a cron expression (see [`crate::schedule`]).
+    /// `off`, `every <n>s|m|h`, or a cron expression (see [`crate::settings::schedule`]).
     pub schedule: String,
     /// LLM calls in flight across all instances together.
     pub llm_max_in_flight: i64,
@@ -50,7 +52,7 @@ pub struct Settings {
     pub llm_user_prompt: String,
     /// An IANA time zone name: the briefing's date and cron schedules.
     pub timezone: String,
-    /// A template with `{date}` (see [`crate::briefing::title`]).
+    /// A template with `{date}` (see [`crate::briefing::assembly::title`]).
     pub briefing_title: String,
 }
 
@@ -72,7 +74,7 @@ impl Default for Settings {
             llm_system_prompt: Prompts::DEFAULT.system.into(),
             llm_user_prompt: Prompts::DEFAULT.user_template.into(),
             timezone: "UTC".into(),
-            briefing_title: crate::briefing::DEFAULT_TITLE.into(),
+            briefing_title: crate::briefing::assembly::DEFAULT_TITLE.into(),
         }
     }
 }
@@ -172,7 +174,7 @@ pub struct SettingsCache {
 
 impl SettingsCache {
     /// `changes` is bumped on every `setting_changed` notification (see
-    /// [`crate::listener::TransitionHub::settings_changed`]).
+    /// [`crate::events::listener::TransitionHub::settings_changed`]).
     pub fn new(pool: DbPool, changes: watch::Receiver<u64>) -> Self {
         SettingsCache {
             pool,

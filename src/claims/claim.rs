@@ -1,4 +1,4 @@
-//! Claims with application-level group commit ([`crate::group_commit`]).
+//! Claims with application-level group commit ([`crate::claims::group_commit`]).
 //!
 //! Concurrent claim requests are merged: a batch is one `FOR NO KEY UPDATE
 //! SKIP LOCKED` statement (one round trip, one commit) over the union of the
@@ -13,9 +13,9 @@ use std::time::Duration;
 use futures::future::join_all;
 use tokio::sync::oneshot;
 
+use crate::claims::group_commit::{each_or_alone, GroupCommit};
 use crate::db::issue::{self, ClaimOutcome, ClaimScope, ClaimedIssue};
 use crate::db::{DbError, DbPool};
-use crate::group_commit::{each_or_alone, GroupCommit};
 
 /// Requests merged into one transaction at most.
 const MAX_BATCH: usize = 64;
@@ -150,7 +150,7 @@ fn release_unwanted(pool: &DbPool, claimed: Vec<ClaimedIssue>) {
     let claims = claimed.iter().map(|c| (c.id, c.claim_id)).collect();
     let pool = pool.clone();
     runtime.spawn(async move {
-        crate::worker::release_claims(&pool, claims, UNWANTED_CLAIM, false).await;
+        crate::generation::worker::release_claims(&pool, claims, UNWANTED_CLAIM, false).await;
     });
 }
 

@@ -2,6 +2,9 @@
 //! text) and the one-shot commands. Long-running services live in their own
 //! modules; this file only parses, connects and dispatches.
 
+pub mod demo;
+pub mod tail;
+
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -14,11 +17,11 @@ use crate::db::issue::{ClaimScope, NewIssue};
 use crate::db::role::{self, RoleKind};
 use crate::db::{self, DbError, DbPool, PoolOptions};
 use crate::embedded::EmbeddedError;
+use crate::events::listener::{Listener, ListenerOptions};
 use crate::input::{self, InvalidInput};
-use crate::listener::{Listener, ListenerOptions};
+use crate::model::status::Status;
 use crate::settings::Settings;
-use crate::status::Status;
-use crate::tail::{self, TailStyle};
+use tail::TailStyle;
 
 /// newsnack: picks the day's hottest news issues, has an LLM write one
 /// article per issue, and assembles the top ones into a daily briefing.
@@ -254,7 +257,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Serve(args) => serve(url, direct, args).await,
         Command::Demo => {
-            crate::demo::run(
+            crate::cli::demo::run(
                 url.as_deref().filter(|u| !u.trim().is_empty()),
                 direct.as_deref(),
             )
@@ -307,7 +310,7 @@ async fn listen(
     database: &db::Database,
     pool: DbPool,
     shutdown: &CancellationToken,
-) -> Result<crate::listener::TransitionHub, CliError> {
+) -> Result<crate::events::listener::TransitionHub, CliError> {
     let (hub, _task) = Listener::start(
         database.direct.clone(),
         pool,
@@ -509,7 +512,7 @@ async fn issues(database: &db::Database, cmd: IssuesCommand) -> Result<ExitCode,
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct WrappedIssues {
-    issues: Vec<crate::api_types::NewIssueJson>,
+    issues: Vec<crate::http::types::NewIssueJson>,
 }
 
 fn read_issue_file(path: &std::path::Path) -> Result<Vec<NewIssue>, CliError> {
@@ -522,7 +525,7 @@ fn read_issue_file(path: &std::path::Path) -> Result<Vec<NewIssue>, CliError> {
     // Told apart by the first character, so a bad field gets serde's own
     // message (with its line and column) rather than "matches no shape".
     let parsed = if text.trim_start().starts_with('[') {
-        serde_json::from_str::<Vec<crate::api_types::NewIssueJson>>(&text)
+        serde_json::from_str::<Vec<crate::http::types::NewIssueJson>>(&text)
     } else {
         serde_json::from_str::<WrappedIssues>(&text).map(|w| w.issues)
     };
@@ -628,7 +631,7 @@ async fn wait(
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
     let hub = listen(database, pool, &shutdown).await?;
-    let request = crate::wait::WaitRequest {
+    let request = crate::briefing::wait::WaitRequest {
         issue_ids: ids,
         timeout: timeout
             .map(Duration::from_secs_f64)
@@ -636,13 +639,13 @@ async fn wait(
         min_completion: min.unwrap_or(settings.content_gen_min_completion.max(0) as usize),
         max_attempts: settings.max_attempts as i32,
     };
-    let report = crate::wait::smart_wait(&hub, request, &shutdown)
+    let report = crate::briefing::wait::smart_wait(&hub, request, &shutdown)
         .await
         .map_err(|e| CliError::Failed(e.to_string()))?;
     shutdown.cancel();
     println!("{}", serde_json::to_string(&report).unwrap_or_default());
     Ok(match report.outcome {
-        crate::wait::WaitOutcome::Skip => ExitCode::from(EXIT_SKIP),
+        crate::briefing::wait::WaitOutcome::Skip => ExitCode::from(EXIT_SKIP),
         _ => ExitCode::SUCCESS,
     })
 }
@@ -659,13 +662,13 @@ async fn run_pipeline(database: &db::Database) -> Result<ExitCode, CliError> {
         writer,
         Duration::from_secs(10),
         // A one-shot run retries its own targets only.
-        crate::retry::RetryScope::only_added(),
+        crate::generation::retry::RetryScope::only_added(),
         &shutdown,
     )
     .await?;
     let result = core
         .pipeline()
-        .run_locked(crate::pipeline::Trigger::Manual, &shutdown)
+        .run_locked(crate::briefing::run::Trigger::Manual, &shutdown)
         .await;
     shutdown.cancel();
     core.stopped().await;
@@ -697,15 +700,15 @@ async fn run_pipeline(database: &db::Database) -> Result<ExitCode, CliError> {
             })
         }
         Ok(None) => Ok(ExitCode::from(EXIT_SKIP)),
-        Err(crate::pipeline::PipelineError::Busy) => {
+        Err(crate::briefing::run::PipelineError::Busy) => {
             eprintln!("newsnack: another pipeline run holds the lock (see `newsnack locks`)");
             Ok(ExitCode::from(EXIT_BUSY))
         }
-        Err(e @ crate::pipeline::PipelineError::TakenOver) => {
+        Err(e @ crate::briefing::run::PipelineError::TakenOver) => {
             eprintln!("newsnack: {e}");
             Ok(ExitCode::FAILURE)
         }
-        Err(crate::pipeline::PipelineError::Db(e)) => Err(e.into()),
+        Err(crate::briefing::run::PipelineError::Db(e)) => Err(e.into()),
     }
 }
 

@@ -23,15 +23,15 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::time::{delay_queue, DelayQueue};
 
-use crate::claim::Claimer;
+use crate::claims::claim::Claimer;
 use crate::db::issue::{self, ClaimScope};
 use crate::db::{DbError, DbPool};
-use crate::listener::TransitionHub;
-use crate::machine::{IssueMachine, Reaction};
+use crate::events::listener::TransitionHub;
+use crate::generation::machine::{IssueMachine, Reaction};
+use crate::generation::worker::GeneratorHandle;
+use crate::model::status::Status;
+use crate::model::transition::Transition;
 use crate::settings::SettingsCache;
-use crate::status::Status;
-use crate::transition::Transition;
-use crate::worker::GeneratorHandle;
 
 /// How soon an issue whose retry state could not be read is looked at again.
 const RECHECK_AFTER_ERROR: Duration = Duration::from_secs(5);

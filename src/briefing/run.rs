@@ -23,19 +23,19 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::briefing::{self, AssembleError};
-use crate::claim::Claimer;
+use crate::briefing::assembly::{self, AssembleError};
+use crate::briefing::wait::{self, WaitError, WaitOutcome, WaitRequest};
+use crate::claims::claim::Claimer;
 use crate::db::advisory::{self, AdvisoryLock};
 use crate::db::issue::ClaimScope;
 use crate::db::pipeline_run::{self, RunRecord};
 use crate::db::{DbError, DbPool};
-use crate::listener::TransitionHub;
-use crate::llm_budget::Priority;
-use crate::retry::RetryScope;
-use crate::schedule::Schedule;
+use crate::events::listener::TransitionHub;
+use crate::generation::retry::RetryScope;
+use crate::generation::worker::GeneratorHandle;
+use crate::model::llm::Priority;
+use crate::settings::schedule::Schedule;
 use crate::settings::{Settings, SettingsCache};
-use crate::wait::{self, WaitError, WaitOutcome, WaitRequest};
-use crate::worker::GeneratorHandle;
 
 /// What starts a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -468,7 +468,7 @@ impl Pipeline {
         if publish {
             // Dated and titled as the settings the run started with (and
             // recorded) say.
-            match briefing::assemble(&transaction, &record.completed, settings).await {
+            match assembly::assemble(&transaction, &record.completed, settings).await {
                 Ok(assembled) => record.briefing_id = Some(assembled.briefing_id),
                 Err(AssembleError::Db(e)) => return Err(e.into()),
                 Err(e) => {

@@ -1,0 +1,29 @@
+//! What an LLM call is for ([`Priority`]) and what it spent ([`TokenUsage`]).
+
+/// Which calls go first: `briefing` (the default of `POST /ai-articles`,
+/// and every pipeline run) before `feed`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    Briefing,
+    Feed,
+}
+
+impl Priority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Briefing => "briefing",
+            Priority::Feed => "feed",
+        }
+    }
+}
+
+/// What a model said it spent on one article, from the API's `usage`
+/// (`None` where it did not say).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub prompt_tokens: Option<i32>,
+    pub completion_tokens: Option<i32>,
+}
