@@ -93,7 +93,7 @@ async fn the_default_title_is_the_english_one() {
             .unwrap();
         (row.get(0), row.get(1))
     };
-    assert_eq!(default, newsnack::briefing::assembly::DEFAULT_TITLE);
+    assert_eq!(default, newsnack::settings::DEFAULT_BRIEFING_TITLE);
     assert_eq!(value, default);
     assert_eq!(
         newsnack::briefing::assembly::title(&value, time::macros::date!(2026 - 11 - 30)),

@@ -18,10 +18,6 @@ use crate::input::{self, InvalidInput};
 use crate::model::status::Status;
 use crate::settings::{SettingError, Settings};
 
-/// The default of the `briefing_title` setting (migration 17 holds the
-/// same text).
-pub const DEFAULT_TITLE: &str = "newsnack — {date}";
-
 /// Why a briefing could not be assembled.
 #[derive(Debug, thiserror::Error)]
 pub enum AssembleError {
@@ -223,7 +219,10 @@ mod tests {
     #[test]
     fn the_default_title_is_the_english_one() {
         assert_eq!(
-            title(DEFAULT_TITLE, date!(2026 - 11 - 30)),
+            title(
+                crate::settings::DEFAULT_BRIEFING_TITLE,
+                date!(2026 - 11 - 30)
+            ),
             "newsnack — 30 November 2026"
         );
     }

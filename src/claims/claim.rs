@@ -150,7 +150,7 @@ fn release_unwanted(pool: &DbPool, claimed: Vec<ClaimedIssue>) {
     let claims = claimed.iter().map(|c| (c.id, c.claim_id)).collect();
     let pool = pool.clone();
     runtime.spawn(async move {
-        crate::generation::worker::release_claims(&pool, claims, UNWANTED_CLAIM, false).await;
+        release_claims(&pool, claims, UNWANTED_CLAIM, false).await;
     });
 }
 
@@ -193,4 +193,39 @@ async fn claim_alone(
 ) -> Result<ClaimOutcome, DbError> {
     let client = pool.get().await?;
     issue::claim_issues(&pool.session(&client), &r.ids, worker, r.lease, r.scope).await
+}
+
+/// Marks claims (`(id, claim_id)`) this instance will not finish `FAILED`
+/// with `reason` (fenced by their claim), to be retried at once by
+/// whichever instance takes them; with `attempt_spent: false` (their
+/// generation never began) their attempt is given back. Best effort: what
+/// cannot be written returns with its lease.
+pub async fn release_claims(
+    pool: &DbPool,
+    claims: Vec<(i64, i64)>,
+    reason: &str,
+    attempt_spent: bool,
+) {
+    if claims.is_empty() {
+        return;
+    }
+    let released = async {
+        let mut client = pool.get().await?;
+        issue::release(&mut client, &claims, reason, attempt_spent).await
+    };
+    match released.await {
+        Ok(n) => tracing::info!(
+            released = n,
+            of = claims.len(),
+            attempt_spent,
+            reason,
+            "released claims this instance will not finish as FAILED"
+        ),
+        Err(e) => tracing::warn!(
+            count = claims.len(),
+            error = %e,
+            reason,
+            "could not release claims; their lease will"
+        ),
+    }
 }

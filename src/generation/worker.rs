@@ -35,6 +35,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore, SemaphorePermit};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::claims::claim::release_claims;
 use crate::claims::group_commit::{each_or_alone, GroupCommit};
 use crate::db::issue::{self, ClaimedIssue, Completion, Fenced, RetryPolicy};
 use crate::db::{DbError, DbPool};
@@ -105,41 +106,6 @@ impl GeneratorHandle {
     /// written, or being recorded).
     pub fn backlog(&self) -> usize {
         self.backlog.load(Ordering::SeqCst)
-    }
-}
-
-/// Marks claims (`(id, claim_id)`) this instance will not finish `FAILED`
-/// with `reason` (fenced by their claim), to be retried at once by
-/// whichever instance takes them; with `attempt_spent: false` (their
-/// generation never began) their attempt is given back. Best effort: what
-/// cannot be written returns with its lease.
-pub(crate) async fn release_claims(
-    pool: &DbPool,
-    claims: Vec<(i64, i64)>,
-    reason: &str,
-    attempt_spent: bool,
-) {
-    if claims.is_empty() {
-        return;
-    }
-    let released = async {
-        let mut client = pool.get().await?;
-        issue::release(&mut client, &claims, reason, attempt_spent).await
-    };
-    match released.await {
-        Ok(n) => tracing::info!(
-            released = n,
-            of = claims.len(),
-            attempt_spent,
-            reason,
-            "released claims this instance will not finish as FAILED"
-        ),
-        Err(e) => tracing::warn!(
-            count = claims.len(),
-            error = %e,
-            reason,
-            "could not release claims; their lease will"
-        ),
     }
 }
 

@@ -23,8 +23,8 @@
 //! [`input::MAX_NEW_ISSUES`] issues; a title of at most
 //! [`input::MAX_TITLE_CHARS`] characters that is not blank, a body of at
 //! most [`input::MAX_BODY_CHARS`], neither holding a NUL character
-//! ([`TITLE_PATTERN`], [`BODY_PATTERN`]); a `collected_at` whose year is in
-//! [`input::COLLECTED_YEARS`] ([`COLLECTED_AT_PATTERN`]). Integers follow
+//! ([`types::TITLE_PATTERN`], [`types::BODY_PATTERN`]); a `collected_at` whose year is in
+//! [`input::COLLECTED_YEARS`] ([`types::COLLECTED_AT_PATTERN`]). Integers follow
 //! JSON Schema: `2.0` is the integer 2 ([`crate::http::types::whole_ids`]).
 
 use std::sync::Arc;
@@ -33,9 +33,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use axum::Router;
 use serde_json::{json, Map, Value};
-use utoipa::openapi::schema::{
-    ArrayBuilder, KnownFormat, ObjectBuilder, SchemaFormat, SchemaType, Type,
-};
+use utoipa::openapi::schema::{ArrayBuilder, KnownFormat, ObjectBuilder, SchemaFormat, Type};
 use utoipa::openapi::Ref;
 use utoipa::OpenApi;
 
@@ -105,49 +103,6 @@ pub struct AssembleConflict {
     pub not_done: Vec<i64>,
     /// Requested ids `DONE` without an article (set `DONE` with plain SQL).
     pub without_article: Vec<i64>,
-}
-
-/// A title: not blank, no NUL character. The class is exactly the
-/// characters [`char::is_whitespace`] takes for white space (and NUL).
-pub const TITLE_PATTERN: &str = "^[^\\u0000]*[^\\u0000\\t\\n\\u000b\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000][^\\u0000]*$";
-/// A body: no NUL character.
-pub const BODY_PATTERN: &str = "^[^\\u0000]*$";
-/// A `collected_at` whose year, as written, is from 0002 to 9998
-/// ([`input::COLLECTED_YEARS`]).
-pub const COLLECTED_AT_PATTERN: &str =
-    "^(000[2-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0-8])-";
-
-/// An issue's title.
-pub fn title_schema() -> ObjectBuilder {
-    ObjectBuilder::new()
-        .schema_type(Type::String)
-        .min_length(Some(1))
-        .max_length(Some(input::MAX_TITLE_CHARS))
-        .pattern(Some(TITLE_PATTERN))
-        .description(Some(
-            "Not blank (a character other than white space) and no NUL character",
-        ))
-}
-
-/// An issue's body (the source material).
-pub fn body_schema() -> ObjectBuilder {
-    ObjectBuilder::new()
-        .schema_type(Type::String)
-        .max_length(Some(input::MAX_BODY_CHARS))
-        .pattern(Some(BODY_PATTERN))
-        .default(Some(json!("")))
-        .description(Some("No NUL character"))
-}
-
-/// When an issue was collected (absent or `null`: now).
-pub fn collected_at_schema() -> ObjectBuilder {
-    ObjectBuilder::new()
-        .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
-        .format(Some(SchemaFormat::KnownFormat(KnownFormat::DateTime)))
-        .pattern(Some(COLLECTED_AT_PATTERN))
-        .description(Some(
-            "RFC 3339, a year from 0002 to 9998 as written; absent or null: now",
-        ))
 }
 
 /// A list of 1 to [`input::MAX_IDS`] positive issue ids (repeats allowed).
@@ -373,12 +328,12 @@ pub fn router(token_required: bool) -> Router<AppState> {
 mod tests {
     use super::*;
 
-    /// Every character is white space to [`TITLE_PATTERN`]'s class exactly
+    /// Every character is white space to [`types::TITLE_PATTERN`]'s class exactly
     /// when it is to [`char::is_whitespace`], the rule
     /// [`input::check_new_issues`] applies.
     #[test]
     fn the_title_pattern_names_exactly_rusts_white_space() {
-        let class = TITLE_PATTERN
+        let class = crate::http::types::TITLE_PATTERN
             .split_once("*[^\\u0000")
             .and_then(|(_, rest)| rest.split_once(']'))
             .map(|(class, _)| class)

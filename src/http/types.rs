@@ -5,24 +5,27 @@
 //! ([`whole_ids`], [`whole_option`]).
 
 use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::json;
 use time::OffsetDateTime;
+use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, SchemaType, Type};
 
 use crate::db::issue::NewIssue;
+use crate::input;
 
 /// One issue as clients send it.
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewIssueJson {
-    #[schema(schema_with = crate::http::openapi::title_schema)]
+    #[schema(schema_with = title_schema)]
     pub title: String,
     #[serde(default)]
-    #[schema(schema_with = crate::http::openapi::body_schema)]
+    #[schema(schema_with = body_schema)]
     pub body: String,
     /// Hotness, for the pipeline's top-K selection.
     #[serde(default)]
     pub score: f64,
     #[serde(default, with = "time::serde::rfc3339::option")]
-    #[schema(schema_with = crate::http::openapi::collected_at_schema)]
+    #[schema(schema_with = collected_at_schema)]
     pub collected_at: Option<OffsetDateTime>,
 }
 
@@ -141,4 +144,47 @@ mod tests {
             assert!(e.is_data(), "{bad}: {e}");
         }
     }
+}
+
+/// A title: not blank, no NUL character. The class is exactly the
+/// characters [`char::is_whitespace`] takes for white space (and NUL).
+pub const TITLE_PATTERN: &str = "^[^\\u0000]*[^\\u0000\\t\\n\\u000b\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000][^\\u0000]*$";
+/// A body: no NUL character.
+pub const BODY_PATTERN: &str = "^[^\\u0000]*$";
+/// A `collected_at` whose year, as written, is from 0002 to 9998
+/// ([`input::COLLECTED_YEARS`]).
+pub const COLLECTED_AT_PATTERN: &str =
+    "^(000[2-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0-8])-";
+
+/// An issue's title.
+pub fn title_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .min_length(Some(1))
+        .max_length(Some(input::MAX_TITLE_CHARS))
+        .pattern(Some(TITLE_PATTERN))
+        .description(Some(
+            "Not blank (a character other than white space) and no NUL character",
+        ))
+}
+
+/// An issue's body (the source material).
+pub fn body_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .max_length(Some(input::MAX_BODY_CHARS))
+        .pattern(Some(BODY_PATTERN))
+        .default(Some(json!("")))
+        .description(Some("No NUL character"))
+}
+
+/// When an issue was collected (absent or `null`: now).
+pub fn collected_at_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+        .format(Some(SchemaFormat::KnownFormat(KnownFormat::DateTime)))
+        .pattern(Some(COLLECTED_AT_PATTERN))
+        .description(Some(
+            "RFC 3339, a year from 0002 to 9998 as written; absent or null: now",
+        ))
 }

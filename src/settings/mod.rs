@@ -18,6 +18,10 @@ use tokio::sync::watch;
 use crate::db::{self, DbError, DbPool};
 use crate::writer::Prompts;
 
+/// The default of the `briefing_title` setting (migration 17 holds the
+/// same text).
+pub const DEFAULT_BRIEFING_TITLE: &str = "newsnack — {date}";
+
 /// A stored setting this binary cannot use. The database validates every
 /// value, so this means the database knows more than the binary: a time
 /// zone newer than the binary's time zone database.
@@ -52,7 +56,7 @@ pub struct Settings {
     pub llm_user_prompt: String,
     /// An IANA time zone name: the briefing's date and cron schedules.
     pub timezone: String,
-    /// A template with `{date}` (see [`crate::briefing::assembly::title`]).
+    /// A template with `{date}`, filled in when a briefing is assembled.
     pub briefing_title: String,
 }
 
@@ -74,7 +78,7 @@ impl Default for Settings {
             llm_system_prompt: Prompts::DEFAULT.system.into(),
             llm_user_prompt: Prompts::DEFAULT.user_template.into(),
             timezone: "UTC".into(),
-            briefing_title: crate::briefing::assembly::DEFAULT_TITLE.into(),
+            briefing_title: DEFAULT_BRIEFING_TITLE.into(),
         }
     }
 }
