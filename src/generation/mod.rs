@@ -4,6 +4,7 @@
 //! of an issue that drives them.
 
 pub mod budget;
+pub mod completion;
 
 pub mod machine;
 pub mod reaper;

@@ -10,15 +10,8 @@
 //! the LLM refuses for the account's quota (429 or 503 with `Retry-After`)
 //! pauses every instance's calls and fails its attempt with the attempt
 //! given back: the retry after the pause does not use up `max_attempts`.
-//! The outcome is written fenced by
-//! the claim's token: `DONE` plus the article in one transaction, or `FAILED`
-//! with the reason, and only if the issue is still `IN_PROGRESS` under this
-//! claim, so a reaped and re-claimed issue is never overwritten by a late
-//! worker.
-//!
-//! Completions are group-committed ([`crate::claims::group_commit`]): articles that
-//! finish together are recorded by one statement, so a fast writer is not
-//! held back by one notifying commit per article.
+//! The outcome is recorded fenced by the claim
+//! ([`crate::generation::completion`]).
 //!
 //! On shutdown the generator stops taking work, lets in-flight generations
 //! finish within a grace period, and releases the rest as `FAILED` with
@@ -31,34 +24,18 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, Semaphore, SemaphorePermit};
+use tokio::sync::{mpsc, Semaphore, SemaphorePermit};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::claims::claim::release_claims;
-use crate::claims::group_commit::{each_or_alone, GroupCommit};
-use crate::db::issue::{self, ClaimedIssue, Completion, Fenced, RetryPolicy};
+use crate::db::issue::{self, ClaimedIssue};
 use crate::db::{DbError, DbPool};
 use crate::generation::budget::{BudgetAgent, CallSlot, LlmBudget};
+use crate::generation::completion::{record_outcome, record_unrecorded, Completer, Generated};
 use crate::model::llm::Priority;
 use crate::settings::{Settings, SettingsCache};
-use crate::writer::{IssueText, SharedWriter};
-
-/// How a generation ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Generated {
-    Done,
-    Failed {
-        reason: String,
-        retryable: bool,
-    },
-    /// The claim was lost (reaped or re-claimed) before the outcome was
-    /// written; nothing was written.
-    ClaimLost,
-    /// Shutdown came before an LLM slot did: nothing was written, and the
-    /// generator releases the claim.
-    NotStarted,
-}
+use crate::writer::{Article, IssueText, SharedWriter, WriteError};
 
 /// A claimed issue for the generator, with the class its LLM call waits in
 /// (`None`: the class the issue was last asked for at).
@@ -430,67 +407,33 @@ async fn generate(
     priority: Option<Priority>,
     start: Arc<Start>,
 ) {
-    let Generation {
-        pool,
-        completer,
-        writer,
-        settings,
-        gate,
-    } = generation;
     let _in_flight = crate::metrics::generation_started();
-    let known = settings.get().await.ok();
+    let known = generation.settings.get().await.ok();
     let lease = known.as_ref().map_or(claimed.lease, |s| s.lease());
     let answered = AtomicBool::new(false);
     let work = async {
-        let Some(slot) = gate.slot(&claimed, priority).await else {
+        let Some(slot) = generation.gate.slot(&claimed, priority).await else {
             return Ok(Generated::NotStarted);
         };
         if !start.begin() {
             return Ok(Generated::NotStarted);
         }
-        // The prompts as the settings say now: a change reaches the next
-        // call. Read before the wait, should the database be out of reach.
-        let now = settings.get().await.ok().or(known);
-        let fallback = Settings::default();
-        let prompts = now.as_deref().unwrap_or(&fallback).prompts();
-        let started = std::time::Instant::now();
-        let result = writer.write(IssueText::new(&claimed, prompts)).await;
-        // The slot bounds LLM calls only; recording waits for its batch. A
-        // pause the LLM asked for goes back with a shared slot.
-        let quota_pause = match (slot, result.as_ref().err()) {
-            (Slot::Shared(slot), Some(e)) => match e.pause().filter(|p| !p.is_zero()) {
-                Some(pause) => {
-                    tracing::warn!(issue = claimed.id, pause_s = pause.as_secs_f64(), reason = %e, "the LLM asked every caller to wait: pausing LLM calls on every instance");
-                    slot.finish_pausing(pause, e.reason().to_string());
-                    Some(pause)
-                }
-                None => None,
-            },
-            _ => None,
-        };
-        crate::metrics::llm_call_finished(
-            started.elapsed(),
-            result.as_ref().err().map(|e| e.kind().as_str()),
-        );
-        if let Ok(article) = &result {
-            crate::metrics::llm_tokens(article.usage);
-        }
-        tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
+        let (result, quota_pause) = call_writer(&generation, &claimed, slot, known).await;
         answered.store(true, Ordering::Relaxed);
-        patiently(claimed.id, lease, || {
-            record(&pool, &completer, &claimed, result.clone(), quota_pause)
-        })
-        .await
+        let Generation {
+            pool, completer, ..
+        } = &generation;
+        record_outcome(pool, completer, &claimed, lease, result, quota_pause).await
     };
     tokio::pin!(work);
     // The heartbeat keeps the lease until the outcome is recorded. A lost
-    // claim stops the writer; but once the writer has answered, the
-    // recording (fenced by the claim) says what happened: a beat that met
-    // that very commit must not report a written article as lost.
+    // claim stops the writer; but once the writer has answered, the fenced
+    // recording says what happened: a heartbeat that ran into that very
+    // commit must not report a written article as lost.
     let outcome = tokio::select! {
         biased;
         outcome = &mut work => outcome,
-        lost = heartbeat_until_lost(&pool, &claimed, lease) => {
+        lost = heartbeat_until_lost(&generation.pool, &claimed, lease) => {
             if answered.load(Ordering::Relaxed) {
                 work.await
             } else {
@@ -498,6 +441,58 @@ async fn generate(
             }
         }
     };
+    if let Err(e) = &outcome {
+        // Say why at once rather than wait out the lease.
+        tracing::error!(issue = claimed.id, error = %e, "could not record the outcome");
+        record_unrecorded(&generation.pool, &claimed, lease, e).await;
+    }
+    log_outcome(&claimed, &outcome);
+}
+
+/// Calls the writer for `claimed` while holding `slot`, with the prompts as
+/// the settings say now (a change reaches the next call; `known`, read
+/// before the wait, stands in should the database be out of reach). A
+/// pause the LLM asked for goes back with a shared slot and is returned.
+async fn call_writer(
+    generation: &Generation,
+    claimed: &ClaimedIssue,
+    slot: Slot<'_>,
+    known: Option<Arc<Settings>>,
+) -> (Result<Article, WriteError>, Option<Duration>) {
+    let now = generation.settings.get().await.ok().or(known);
+    let fallback = Settings::default();
+    let prompts = now.as_deref().unwrap_or(&fallback).prompts();
+    let started = std::time::Instant::now();
+    let result = generation
+        .writer
+        .write(IssueText::new(claimed, prompts))
+        .await;
+    // The slot bounds LLM calls only: it is given back here, before the
+    // outcome waits for its batch.
+    let quota_pause = match (slot, result.as_ref().err()) {
+        (Slot::Shared(slot), Some(e)) => match e.pause().filter(|p| !p.is_zero()) {
+            Some(pause) => {
+                tracing::warn!(issue = claimed.id, pause_s = pause.as_secs_f64(), reason = %e, "the LLM asked every caller to wait: pausing LLM calls on every instance");
+                slot.finish_pausing(pause, e.reason().to_string());
+                Some(pause)
+            }
+            None => None,
+        },
+        _ => None,
+    };
+    crate::metrics::llm_call_finished(
+        started.elapsed(),
+        result.as_ref().err().map(|e| e.kind().as_str()),
+    );
+    if let Ok(article) = &result {
+        crate::metrics::llm_tokens(article.usage);
+    }
+    tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
+    (result, quota_pause)
+}
+
+/// One log line for how `claimed`'s generation ended.
+fn log_outcome(claimed: &ClaimedIssue, outcome: &Result<Generated, DbError>) {
     match outcome {
         Ok(Generated::Done) => tracing::info!(
             issue = claimed.id,
@@ -520,197 +515,8 @@ async fn generate(
                 "claim lost; result discarded"
             )
         }
-        Err(e) => {
-            // Say why at once rather than wait out the lease: the failure is
-            // recorded (fenced, retryable) if the database takes it. The
-            // failed write's own transaction may still hold the row for a
-            // moment after its error arrives, so a busy row is tried again.
-            tracing::error!(issue = claimed.id, error = %e, "could not record the outcome");
-            let reason = format!("could not record the outcome: {e}");
-            let released = patiently(claimed.id, lease, || async {
-                let client = pool.get().await?;
-                let fenced = issue::fail(
-                    &pool.session(&client),
-                    claimed.id,
-                    claimed.claim_id,
-                    &reason,
-                    RetryPolicy::After(None),
-                )
-                .await?;
-                match fenced {
-                    Fenced::Busy => Err(DbError::RowLocked(claimed.id)),
-                    written_or_lost => Ok(written_or_lost),
-                }
-            });
-            if let Err(e) = released.await {
-                tracing::warn!(issue = claimed.id, error = %e, "could not record the failure either; the lease will return the issue");
-            }
-        }
+        Err(_) => {}
     }
-}
-
-/// Pauses between tries of [`patiently`]: from the first, doubling up to
-/// the last.
-const RECORD_RETRY_PAUSES: (Duration, Duration) =
-    (Duration::from_millis(250), Duration::from_secs(5));
-
-/// A fenced write of issue `id`'s outcome, tried again on a passing
-/// database fault (no connection, a connection lost, the issue's row held
-/// by another transaction) for up to a lease. The write is fenced by the
-/// claim, so trying again is safe; giving up at the first fault threw a
-/// written article away and left the issue to its lease.
-async fn patiently<T, Write, Written>(
-    id: i64,
-    lease: Duration,
-    mut write: Write,
-) -> Result<T, DbError>
-where
-    Write: FnMut() -> Written,
-    Written: std::future::Future<Output = Result<T, DbError>>,
-{
-    let give_up_at = tokio::time::Instant::now() + lease;
-    let (mut pause, longest) = RECORD_RETRY_PAUSES;
-    loop {
-        match write().await {
-            Err(e) if e.is_transient() && tokio::time::Instant::now() + pause < give_up_at => {
-                tracing::warn!(issue = id, error = %e, retry_in = ?pause, "cannot record the outcome yet; trying again");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(longest);
-            }
-            outcome => return outcome,
-        }
-    }
-}
-
-/// Writes the outcome, fenced by the claim. A failure that paused every
-/// instance (`quota_pause`) gives its attempt back and is not retried
-/// before the pause ends.
-async fn record(
-    pool: &DbPool,
-    completer: &Completer,
-    claimed: &ClaimedIssue,
-    result: Result<crate::writer::Article, crate::writer::WriteError>,
-    quota_pause: Option<Duration>,
-) -> Result<Generated, DbError> {
-    match result {
-        Ok(article) => {
-            let fenced = completer
-                .complete(Completion {
-                    id: claimed.id,
-                    claim_id: claimed.claim_id,
-                    headline: article.headline,
-                    body: article.body,
-                    usage: article.usage,
-                })
-                .await?;
-            match fenced {
-                Fenced::Written => Ok(Generated::Done),
-                Fenced::Lost => Ok(Generated::ClaimLost),
-                Fenced::Busy => {
-                    crate::metrics::completion_deferred();
-                    Err(DbError::RowLocked(claimed.id))
-                }
-            }
-        }
-        Err(e) => {
-            let reason = e.to_string();
-            let retry = if e.is_retryable() {
-                RetryPolicy::After(e.retry_after())
-            } else {
-                RetryPolicy::Never
-            };
-            let mut client = pool.get().await?;
-            let fenced = match quota_pause {
-                Some(pause) => {
-                    issue::fail_unspent(&mut client, claimed.id, claimed.claim_id, &reason, pause)
-                        .await?
-                }
-                None => {
-                    issue::fail(
-                        &pool.session(&client),
-                        claimed.id,
-                        claimed.claim_id,
-                        &reason,
-                        retry,
-                    )
-                    .await?
-                }
-            };
-            match fenced {
-                Fenced::Written => Ok(Generated::Failed {
-                    reason,
-                    retryable: e.is_retryable(),
-                }),
-                Fenced::Lost => Ok(Generated::ClaimLost),
-                Fenced::Busy => Err(DbError::RowLocked(claimed.id)),
-            }
-        }
-    }
-}
-
-/// Completion batches committing at once. One: every notifying commit
-/// queues behind the others, and claims should not wait behind several.
-const COMPLETION_LANES: usize = 1;
-/// Articles recorded together at most.
-const MAX_COMPLETIONS_PER_BATCH: usize = 128;
-
-/// A completion waiting for its batch.
-struct PendingCompletion {
-    completion: Completion,
-    answer: oneshot::Sender<Result<Fenced, DbError>>,
-}
-
-/// Records finished articles, group-committed. Cheap to clone.
-#[derive(Clone)]
-struct Completer {
-    batches: GroupCommit<PendingCompletion>,
-}
-
-impl Completer {
-    fn start(pool: DbPool, writer: &str) -> Completer {
-        let writer: Arc<str> = writer.into();
-        let batches =
-            GroupCommit::start(COMPLETION_LANES, MAX_COMPLETIONS_PER_BATCH, move |batch| {
-                let (pool, writer) = (pool.clone(), writer.clone());
-                async move { record_batch(&pool, &writer, batch).await }
-            });
-        Completer { batches }
-    }
-
-    async fn complete(&self, completion: Completion) -> Result<Fenced, DbError> {
-        let stopped = || DbError::Invalid("the completer has stopped".into());
-        let (answer, fenced) = oneshot::channel();
-        self.batches
-            .submit(PendingCompletion { completion, answer })
-            .await
-            .map_err(|_| stopped())?;
-        fenced.await.map_err(|_| stopped())?
-    }
-}
-
-/// Records a batch in one statement (see [`each_or_alone`] for when it
-/// fails).
-async fn record_batch(pool: &DbPool, writer: &str, batch: Vec<PendingCompletion>) {
-    let (completions, answers): (Vec<Completion>, Vec<_>) =
-        batch.into_iter().map(|p| (p.completion, p.answer)).unzip();
-    let together = record_together(pool, writer, &completions).await;
-    let results = each_or_alone(together, completions.len(), |i| {
-        let one = std::slice::from_ref(&completions[i]);
-        async move { record_together(pool, writer, one).await.map(|f| f[0]) }
-    })
-    .await;
-    for (answer, result) in answers.into_iter().zip(results) {
-        let _ = answer.send(result);
-    }
-}
-
-async fn record_together(
-    pool: &DbPool,
-    writer: &str,
-    completions: &[Completion],
-) -> Result<Vec<Fenced>, DbError> {
-    let client = pool.get().await?;
-    issue::complete(&pool.session(&client), completions, writer).await
 }
 
 /// Extends the lease to `lease` every third of its length; returns when

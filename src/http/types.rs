@@ -105,47 +105,6 @@ pub fn whole_option<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option
     Ok(Option::<Whole>::deserialize(deserializer)?.map(|Whole(n)| n))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(Debug, Deserialize)]
-    struct Ids {
-        #[serde(deserialize_with = "whole_ids")]
-        ids: Vec<i64>,
-        #[serde(default, deserialize_with = "whole_option")]
-        n: Option<i64>,
-    }
-
-    fn parse(json: &str) -> Result<Ids, serde_json::Error> {
-        serde_json::from_str(json)
-    }
-
-    #[test]
-    fn whole_numbers_in_any_spelling_are_integers() {
-        let ids = parse(r#"{"ids": [2, 2.0, 3e0, -4.0, 9223372036854775807], "n": 20.0}"#).unwrap();
-        assert_eq!(ids.ids, [2, 2, 3, -4, i64::MAX]);
-        assert_eq!(ids.n, Some(20));
-        assert_eq!(parse(r#"{"ids": [], "n": null}"#).unwrap().n, None);
-        assert_eq!(parse(r#"{"ids": []}"#).unwrap().n, None);
-    }
-
-    #[test]
-    fn fractions_and_out_of_range_numbers_are_refused() {
-        for bad in [
-            r#"{"ids": [1.5]}"#,
-            r#"{"ids": [9223372036854775808]}"#,
-            r#"{"ids": [9.3e18]}"#,
-            r#"{"ids": ["1"]}"#,
-            r#"{"ids": [1], "n": 0.5}"#,
-            r#"{"ids": [1], "n": true}"#,
-        ] {
-            let e = parse(bad).unwrap_err();
-            assert!(e.is_data(), "{bad}: {e}");
-        }
-    }
-}
-
 /// A title: not blank, no NUL character. The class is exactly the
 /// characters [`char::is_whitespace`] takes for white space (and NUL).
 pub const TITLE_PATTERN: &str = "^[^\\u0000]*[^\\u0000\\t\\n\\u000b\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000][^\\u0000]*$";
@@ -187,4 +146,45 @@ pub fn collected_at_schema() -> ObjectBuilder {
         .description(Some(
             "RFC 3339, a year from 0002 to 9998 as written; absent or null: now",
         ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Deserialize)]
+    struct Ids {
+        #[serde(deserialize_with = "whole_ids")]
+        ids: Vec<i64>,
+        #[serde(default, deserialize_with = "whole_option")]
+        n: Option<i64>,
+    }
+
+    fn parse(json: &str) -> Result<Ids, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
+    #[test]
+    fn whole_numbers_in_any_spelling_are_integers() {
+        let ids = parse(r#"{"ids": [2, 2.0, 3e0, -4.0, 9223372036854775807], "n": 20.0}"#).unwrap();
+        assert_eq!(ids.ids, [2, 2, 3, -4, i64::MAX]);
+        assert_eq!(ids.n, Some(20));
+        assert_eq!(parse(r#"{"ids": [], "n": null}"#).unwrap().n, None);
+        assert_eq!(parse(r#"{"ids": []}"#).unwrap().n, None);
+    }
+
+    #[test]
+    fn fractions_and_out_of_range_numbers_are_refused() {
+        for bad in [
+            r#"{"ids": [1.5]}"#,
+            r#"{"ids": [9223372036854775808]}"#,
+            r#"{"ids": [9.3e18]}"#,
+            r#"{"ids": ["1"]}"#,
+            r#"{"ids": [1], "n": 0.5}"#,
+            r#"{"ids": [1], "n": true}"#,
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.is_data(), "{bad}: {e}");
+        }
+    }
 }
