@@ -152,66 +152,23 @@ impl EmbeddedPostgres {
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
         }
-        let data = dir.path().join("data");
-        let log_path = dir.path().join(SERVER_LOG);
-
-        let mut initdb = Command::new(bin.join("initdb"));
-        if let Some(password) = &options.superuser_password {
-            let pwfile = dir.path().join("superuser.pw");
-            std::fs::write(&pwfile, password)?;
-            if let Some((uid, gid)) = run_as {
-                std::os::unix::fs::chown(&pwfile, Some(uid), Some(gid))?;
-            }
-            initdb.arg(format!("--pwfile={}", pwfile.display()));
-        }
-        initdb
-            .arg("-D")
-            .arg(&data)
-            .args([
-                "-U",
-                SUPERUSER,
-                "-A",
-                "trust",
-                "-E",
-                "UTF8",
-                "--no-locale",
-                "--no-sync",
-            ])
-            .current_dir(dir.path());
-        as_user(&mut initdb, run_as);
-        let out = initdb.output()?;
-        if !out.status.success() {
-            return Err(EmbeddedError::Step {
-                step: "initdb",
-                detail: last_lines(&String::from_utf8_lossy(&out.stderr), 5),
-            });
-        }
-
-        let _ = std::fs::remove_file(dir.path().join("superuser.pw"));
-        let server_files = options
-            .files
-            .iter()
-            .map(|(name, contents)| (name.as_str(), contents.as_slice()))
-            .chain(
-                options
-                    .pg_hba
-                    .as_deref()
-                    .map(|hba| ("pg_hba.conf", hba.as_bytes())),
-            );
-        for (name, contents) in server_files {
-            use std::os::unix::fs::PermissionsExt;
-            let path = data.join(name);
-            std::fs::write(&path, contents)?;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-            if let Some((uid, gid)) = run_as {
-                std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
-            }
-        }
+        let data = init_cluster(&bin, run_as, dir.path(), options)?;
+        write_server_files(&data, run_as, options)?;
         let launch = Launch {
             bin,
             run_as,
             options: options.clone(),
         };
+        Self::launch_on_a_free_port(dir, launch)
+    }
+
+    /// Starts the server on a free port, trying another should the port be
+    /// taken between choosing it and binding it.
+    fn launch_on_a_free_port(
+        dir: tempfile::TempDir,
+        launch: Launch,
+    ) -> Result<Self, EmbeddedError> {
+        let log_path = dir.path().join(SERVER_LOG);
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port()?;
@@ -291,6 +248,78 @@ impl Drop for EmbeddedPostgres {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Runs `initdb` in `dir` as `run_as`; returns the data directory.
+fn init_cluster(
+    bin: &Path,
+    run_as: Option<(u32, u32)>,
+    dir: &Path,
+    options: &EmbeddedOptions,
+) -> Result<PathBuf, EmbeddedError> {
+    let data = dir.join("data");
+    let mut initdb = Command::new(bin.join("initdb"));
+    let pwfile = dir.join("superuser.pw");
+    if let Some(password) = &options.superuser_password {
+        std::fs::write(&pwfile, password)?;
+        if let Some((uid, gid)) = run_as {
+            std::os::unix::fs::chown(&pwfile, Some(uid), Some(gid))?;
+        }
+        initdb.arg(format!("--pwfile={}", pwfile.display()));
+    }
+    initdb
+        .arg("-D")
+        .arg(&data)
+        .args([
+            "-U",
+            SUPERUSER,
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
+        ])
+        .current_dir(dir);
+    as_user(&mut initdb, run_as);
+    let out = initdb.output()?;
+    let _ = std::fs::remove_file(&pwfile);
+    if !out.status.success() {
+        return Err(EmbeddedError::Step {
+            step: "initdb",
+            detail: last_lines(&String::from_utf8_lossy(&out.stderr), 5),
+        });
+    }
+    Ok(data)
+}
+
+/// Writes the options' extra server files and `pg_hba.conf` into `data`,
+/// readable by the server's user only.
+fn write_server_files(
+    data: &Path,
+    run_as: Option<(u32, u32)>,
+    options: &EmbeddedOptions,
+) -> Result<(), EmbeddedError> {
+    use std::os::unix::fs::PermissionsExt;
+    let server_files = options
+        .files
+        .iter()
+        .map(|(name, contents)| (name.as_str(), contents.as_slice()))
+        .chain(
+            options
+                .pg_hba
+                .as_deref()
+                .map(|hba| ("pg_hba.conf", hba.as_bytes())),
+        );
+    for (name, contents) in server_files {
+        let path = data.join(name);
+        std::fs::write(&path, contents)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        if let Some((uid, gid)) = run_as {
+            std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
+        }
+    }
+    Ok(())
 }
 
 /// Starts `command` from a thread that stays alive until told to stop, so

@@ -2,29 +2,28 @@
 //!
 //! Issues are claimed with `FOR NO KEY UPDATE SKIP LOCKED`, every status
 //! change is enforced, logged and announced by the database itself, and the
-//! service reacts to those announcements instead of polling.
-//!
-//! A map of the crate:
+//! service reacts to those announcements instead of polling. Lower modules
+//! come first; a module uses only those above it in this map, and no two
+//! import each other (`tests/layout.rs` checks).
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`claim`] | claims with application-level group commit |
-//! | [`cli`] | the command line: parsing, one-shot commands, dispatch |
-//! | [`db`] | connections (TLS, pooled and direct endpoints), the pool, migrations, roles, advisory lock keys, every SQL query |
-//! | [`done_issues`] | known-`DONE` ids that answer hopeless claims without SQL |
-//! | [`embedded`] | the throwaway PostgreSQL for the zero-config default |
-//! | [`group_commit`] | batching concurrent writes into shared transactions |
-//! | [`listener`] | the one LISTEN connection and the subscriber hub |
-//! | [`llm_budget`] | the LLM budget all instances share, from one process's side |
-//! | [`stream`] | gapless, resumable transition streams over the log |
-//! | [`machine`] | the typed `statig` lifecycle of an issue |
-//! | [`status`], [`transition`] | the domain types the log speaks in |
-//! | [`settings`] | typed runtime settings, re-read when announced |
-//! | [`input`] | validation of ids and new issues, shared by API and CLI |
-//! | [`tail`] | how the live tail prints a transition |
-//! | [`writer`] | the LLM client and the offline writer |
-//! | [`shutdown`] | the one shutdown signal |
+//! | [`model`] | the shared vocabulary: `Status`, a logged `Transition`, an LLM call's `Priority` and `TokenUsage` |
+//! | [`metrics`] | the Prometheus metrics every module records into |
 //! | [`logging`] | log output that a failing destination cannot break |
+//! | [`shutdown`] | the one shutdown signal every task selects on |
+//! | [`db`] | connections (TLS, pooled and direct endpoints), the pool, migrations, roles, advisory locks, every SQL query (one file per table) |
+//! | [`input`] | validation of ids and new issues, shared by the API and the CLI |
+//! | [`writer`] | the OpenAI-compatible LLM client and the built-in offline writer |
+//! | [`settings`] | typed runtime settings re-read when announced, and the `schedule` setting's grammar |
+//! | [`events`] | the one LISTEN connection (`listener`), the hub that fans out what it hears, gapless resumable streams over the log |
+//! | [`claims`] | `SKIP LOCKED` claims batched by group commit, releasing claims, known-`DONE` ids |
+//! | [`generation`] | workers, recording outcomes, the shared LLM budget, retries, the lease reaper, the `statig` issue machine |
+//! | [`briefing`] | a pipeline run, its lock, its scheduler, the smart wait, the briefing's assembly |
+//! | [`http`] | the axum API: one router per resource, the JSON types, OpenAPI, SSE, auth, one error type |
+//! | [`serve`] | wiring the long-running service together and stopping it cleanly |
+//! | [`embedded`] | the throwaway PostgreSQL of the zero-configuration default |
+//! | [`cli`] | the command line: parsing, one-shot commands, `tail`'s output, the demo |
 
 pub mod briefing;
 pub mod claims;
