@@ -58,7 +58,7 @@ fn code_of(file: &Path) -> String {
         .join("\n")
 }
 
-/// The modules each module names through `crate::` paths.
+/// The modules each module names through `crate::` and `super::` paths.
 fn imports(modules: &BTreeMap<String, PathBuf>) -> BTreeMap<String, BTreeSet<String>> {
     let resolve = |path: &str| -> Option<String> {
         let segments: Vec<&str> = path.split("::").collect();
@@ -71,13 +71,23 @@ fn imports(modules: &BTreeMap<String, PathBuf>) -> BTreeMap<String, BTreeSet<Str
         .iter()
         .map(|(name, file)| {
             let code = code_of(file);
+            let parent = name.rsplit_once("::").map_or("", |(parent, _)| parent);
             let mut named = BTreeSet::new();
-            for (at, _) in code.match_indices("crate::") {
-                let path: String = code[at + "crate::".len()..]
+            let crate_paths = code.match_indices("crate::").map(|(at, _)| (at + 7, ""));
+            let super_paths = code
+                .match_indices("super::")
+                .map(|(at, _)| (at + 7, parent));
+            for (at, base) in crate_paths.chain(super_paths) {
+                let rest: String = code[at..]
                     .chars()
                     .take_while(|c| c.is_ascii_lowercase() || *c == '_' || *c == ':')
                     .collect();
-                if let Some(target) = resolve(path.trim_end_matches(':')) {
+                let rest = rest.trim_end_matches(':');
+                let path = match base {
+                    "" => rest.to_string(),
+                    base => format!("{base}::{rest}"),
+                };
+                if let Some(target) = resolve(&path) {
                     let inside = name.starts_with(&format!("{target}::"));
                     if &target != name && !inside {
                         named.insert(target);

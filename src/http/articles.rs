@@ -32,7 +32,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{ApiError, ApiJson};
-use super::openapi::{ClaimConflict, ErrorBody};
+use super::types::{ClaimConflict, ErrorBody};
 use super::AppState;
 use crate::db::issue::ClaimScope;
 use crate::http::types::ClaimAnswer;
@@ -47,7 +47,7 @@ pub fn router() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 pub struct ArticleRequest {
     #[serde(deserialize_with = "crate::http::types::whole_ids")]
-    #[schema(schema_with = super::openapi::id_list_schema)]
+    #[schema(schema_with = super::types::id_list_schema)]
     issue_ids: Vec<i64>,
     /// Which LLM calls go first: `briefing` (the default) before `feed`,
     /// across every instance.

@@ -9,7 +9,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{positive_id, ApiError, ApiJson, ApiPath};
-use super::openapi::{AssembleConflict, ErrorBody};
+use super::types::{AssembleConflict, ErrorBody};
 use super::AppState;
 use crate::briefing::assembly::{self, AssembleError, Assembled};
 use crate::db::{self, briefing::Briefing, pipeline_run::RunView, DbError};
@@ -26,7 +26,7 @@ pub fn router() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 pub struct AssembleBody {
     #[serde(deserialize_with = "crate::http::types::whole_ids")]
-    #[schema(schema_with = super::openapi::id_list_schema)]
+    #[schema(schema_with = super::types::id_list_schema)]
     issue_ids: Vec<i64>,
 }
 

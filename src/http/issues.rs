@@ -7,7 +7,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{positive_id, ApiError, ApiJson, ApiPath};
-use super::openapi::ErrorBody;
+use super::types::ErrorBody;
 use super::AppState;
 use crate::db::issue::{self, IssueView, NewIssue};
 use crate::http::types::{AddedIssues, NewIssueJson};
@@ -22,7 +22,7 @@ pub fn router() -> Router<AppState> {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AddIssues {
-    #[schema(schema_with = super::openapi::new_issues_schema)]
+    #[schema(schema_with = super::types::new_issues_schema)]
     issues: Vec<NewIssueJson>,
 }
 

@@ -33,12 +33,9 @@ use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use axum::Router;
 use serde_json::{json, Map, Value};
-use utoipa::openapi::schema::{ArrayBuilder, KnownFormat, ObjectBuilder, SchemaFormat, Type};
-use utoipa::openapi::Ref;
 use utoipa::OpenApi;
 
 use super::AppState;
-use crate::input;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -60,71 +57,24 @@ use crate::input;
         super::health::readyz,
     ),
     components(schemas(
-        ErrorBody,
+        crate::http::types::ErrorBody,
         crate::db::issue::IssueView,
         crate::model::status::Status,
         crate::http::types::NewIssueJson,
         crate::http::types::AddedIssues,
         crate::http::types::ClaimAnswer,
-        ClaimConflict,
+        crate::http::types::ClaimConflict,
         crate::briefing::wait::WaitReport,
         crate::briefing::wait::WaitOutcome,
         crate::db::briefing::Briefing,
         crate::db::pipeline_run::RunView,
         crate::briefing::assembly::Assembled,
-        AssembleConflict,
+        crate::http::types::AssembleConflict,
         super::health::Health,
         super::health::Readiness,
     ))
 )]
 pub struct ApiDoc;
-
-/// The body of every error answer; a 409 adds fields of its own.
-#[derive(serde::Serialize, utoipa::ToSchema)]
-pub struct ErrorBody {
-    /// What went wrong, for a person to read.
-    pub error: String,
-}
-
-/// The 409 of `POST /ai-articles`: nothing was claimable.
-#[derive(serde::Serialize, utoipa::ToSchema)]
-pub struct ClaimConflict {
-    pub error: String,
-    /// Always empty here.
-    pub claimed: Vec<i64>,
-    pub skipped: Vec<i64>,
-}
-
-/// The 409 of `POST /today-newsnack`: some issues cannot be published.
-#[derive(serde::Serialize, utoipa::ToSchema)]
-pub struct AssembleConflict {
-    pub error: String,
-    /// Requested ids that are not `DONE` (unknown ones included).
-    pub not_done: Vec<i64>,
-    /// Requested ids `DONE` without an article (set `DONE` with plain SQL).
-    pub without_article: Vec<i64>,
-}
-
-/// A list of 1 to [`input::MAX_IDS`] positive issue ids (repeats allowed).
-pub fn id_list_schema() -> ArrayBuilder {
-    ArrayBuilder::new()
-        .items(
-            ObjectBuilder::new()
-                .schema_type(Type::Integer)
-                .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
-                .minimum(Some(1)),
-        )
-        .min_items(Some(1))
-        .max_items(Some(input::MAX_IDS))
-}
-
-/// The issues of one `POST /issues`: 1 to [`input::MAX_NEW_ISSUES`].
-pub fn new_issues_schema() -> ArrayBuilder {
-    ArrayBuilder::new()
-        .items(Ref::from_schema_name("NewIssueJson"))
-        .min_items(Some(1))
-        .max_items(Some(input::MAX_NEW_ISSUES))
-}
 
 /// The document as `GET /openapi.json` serves it: [`ApiDoc`] with the
 /// failures shared by operations of a kind (see the module docs), and the

@@ -7,7 +7,10 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::json;
 use time::OffsetDateTime;
-use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, SchemaType, Type};
+use utoipa::openapi::schema::{
+    ArrayBuilder, KnownFormat, ObjectBuilder, SchemaFormat, SchemaType, Type,
+};
+use utoipa::openapi::Ref;
 
 use crate::db::issue::NewIssue;
 use crate::input;
@@ -146,6 +149,53 @@ pub fn collected_at_schema() -> ObjectBuilder {
         .description(Some(
             "RFC 3339, a year from 0002 to 9998 as written; absent or null: now",
         ))
+}
+
+/// The body of every error answer; a 409 adds fields of its own.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong, for a person to read.
+    pub error: String,
+}
+
+/// The 409 of `POST /ai-articles`: nothing was claimable.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct ClaimConflict {
+    pub error: String,
+    /// Always empty here.
+    pub claimed: Vec<i64>,
+    pub skipped: Vec<i64>,
+}
+
+/// The 409 of `POST /today-newsnack`: some issues cannot be published.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct AssembleConflict {
+    pub error: String,
+    /// Requested ids that are not `DONE` (unknown ones included).
+    pub not_done: Vec<i64>,
+    /// Requested ids `DONE` without an article (set `DONE` with plain SQL).
+    pub without_article: Vec<i64>,
+}
+
+/// A list of 1 to [`input::MAX_IDS`] positive issue ids (repeats allowed).
+pub fn id_list_schema() -> ArrayBuilder {
+    ArrayBuilder::new()
+        .items(
+            ObjectBuilder::new()
+                .schema_type(Type::Integer)
+                .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+                .minimum(Some(1)),
+        )
+        .min_items(Some(1))
+        .max_items(Some(input::MAX_IDS))
+}
+
+/// The issues of one `POST /issues`: 1 to [`input::MAX_NEW_ISSUES`].
+pub fn new_issues_schema() -> ArrayBuilder {
+    ArrayBuilder::new()
+        .items(Ref::from_schema_name("NewIssueJson"))
+        .min_items(Some(1))
+        .max_items(Some(input::MAX_NEW_ISSUES))
 }
 
 #[cfg(test)]

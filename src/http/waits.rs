@@ -8,7 +8,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::error::{ApiError, ApiJson};
-use super::openapi::ErrorBody;
+use super::types::ErrorBody;
 use super::AppState;
 use crate::briefing::wait::{self, WaitError, WaitReport, WaitRequest};
 use crate::input;
@@ -24,7 +24,7 @@ pub fn router() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 pub struct WaitBody {
     #[serde(deserialize_with = "crate::http::types::whole_ids")]
-    #[schema(schema_with = super::openapi::id_list_schema)]
+    #[schema(schema_with = super::types::id_list_schema)]
     issue_ids: Vec<i64>,
     /// Seconds (default: the `content_gen_timeout_s` setting).
     #[schema(exclusive_minimum = 0, maximum = 86400)]
