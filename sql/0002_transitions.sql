@@ -1,24 +1,8 @@
--- 0002: status transitions, enforced and announced by the database.
---
--- The legal set is written once, here, in `issue_transition_is_legal`:
---
---   (new row) ──▶ PENDING ──▶ IN_PROGRESS ──▶ DONE
---                   ▲              │  ▲
---                   │              ▼  │
---                   └──────────── FAILED
---
--- Every writer goes through the same triggers: a BEFORE trigger rejects an
--- illegal change (naming the issue and both statuses) and keeps the
--- bookkeeping columns honest; a deferred AFTER trigger appends the change to
--- `issue_transition` and sends one NOTIFY per transition at commit.
---
--- Commit-ordered `seq`: the log insert runs at commit time under a
--- transaction-scoped advisory lock. The lock is released only after the
--- commit is visible, so a transaction can take a `seq` only after every
--- transaction holding a smaller one has committed or rolled back. Readers
--- following `seq > last` therefore never skip a row that commits late.
--- NOTIFY already serialises notifying commits in the same place, so the lock
--- costs next to nothing on top of it.
+-- 0002: the legal status transitions (`issue_transition_is_legal`) and the
+-- triggers of `issue`: BEFORE triggers refuse an illegal change and keep the
+-- bookkeeping columns right; a deferred AFTER trigger appends each change
+-- to `issue_transition` at commit, under an advisory lock so that `seq`
+-- follows commit order, and sends NOTIFY `issue_transition`.
 
 CREATE FUNCTION issue_transition_is_legal(from_status text, to_status text)
 RETURNS boolean LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$

@@ -1,9 +1,6 @@
--- 0003: runtime settings, validated in the database and announced on change.
---
--- `setting_spec` says which keys exist, their defaults and their bounds;
--- a trigger rejects unknown keys and out-of-range values from any writer,
--- and every change sends NOTIFY `setting_changed` so running services pick
--- it up on next use without a restart or a poll.
+-- 0003: runtime settings: `setting_spec` (keys, defaults, bounds), a
+-- trigger that refuses unknown keys and out-of-range values from any
+-- writer, NOTIFY `setting_changed` on every change, every key at its default.
 
 CREATE TABLE setting_spec (
     key           text PRIMARY KEY,

@@ -1,5 +1,5 @@
--- 0004: the daily pipeline: briefings, a record of every run, and the
--- schedule setting.
+-- 0004: the daily pipeline: `briefing`, `pipeline_run` (a record of every
+-- run), and the `schedule` setting, of a new kind.
 
 CREATE TABLE briefing (
     id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

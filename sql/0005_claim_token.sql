@@ -1,10 +1,6 @@
--- 0005: every claim gets a fencing token no earlier claim of the issue had.
---
--- 0002 kept a `claim_id` set by the claiming statement whenever it differed
--- from the old one. A writer with plain SQL could thus claim with no token
--- (`claim_id = NULL`: never fenced, never reaped) or bring back a stale
--- worker's token. Now a claim keeps its statement's token only if it is
--- newer than the issue's last; otherwise it draws the next one.
+-- 0005: a claim keeps the fencing token its statement set only if it is
+-- newer than the issue's last; otherwise it draws the next one (never none,
+-- never an earlier claim's).
 
 CREATE OR REPLACE FUNCTION issue_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

@@ -1,22 +1,6 @@
--- 0007: a schedule written with plain SQL is checked field by field.
---
--- Until now the trigger checked a cron expression's shape only, so
--- `UPDATE setting SET value = '99 * * * *' WHERE key = 'schedule'` was
--- stored, and the scheduler then logged it as invalid and stayed idle.
--- `newsnack_schedule_problem` accepts the forms the scheduler's cron parser
--- understands, with each number in its field's range:
---
---   off | every <n>s|m|h (at most 366 days)
---   | @yearly @annually @monthly @weekly @daily @hourly
---   | [second] minute hour day-of-month month day-of-week   (UTC)
---
--- and in a field: `*`, or a comma-separated list of `n`, `a-b`, `*/s`,
--- `n/s`, `a-b/s`; month and weekday names (JAN..DEC, SUN..SAT); `?` for a
--- whole day-of-month or day-of-week field; `L` and `nW` (day of month);
--- `nL` and `n#k` (day of week 0-6, k 1..5). A schedule whose days of the
--- month never fall in its months (30 February) is refused too. Anything it
--- accepts, the scheduler can run and will fire (tests/cli.rs checks both on
--- generated expressions).
+-- 0007: `newsnack_schedule_problem`: a `schedule` written with plain SQL is
+-- checked field by field, each number in its field's range, in the forms
+-- the scheduler's cron parser reads (listed in docs/sql.md, "Settings").
 
 CREATE FUNCTION newsnack_schedule_problem(schedule text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$

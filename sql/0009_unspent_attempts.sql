@@ -1,13 +1,6 @@
--- 0009: a claim released before its generation began gives its attempt back.
---
--- An instance that shuts down releases its unfinished claims as `FAILED`
--- (reason `shutdown`) so that another instance retries them at once. Claims
--- still queued for an LLM slot never reached the writer, yet each had spent
--- one of the issue's `max_attempts`: a few restarts of an instance with a
--- long queue exhausted issues that were never tried. A transaction that sets
--- `newsnack.attempt_unspent` to `on` (`SET LOCAL`, or `set_config(..,
--- true)`) now moves issues into `FAILED` with their attempt count as it was
--- before the claim. Everything else is as in 0005.
+-- 0009: a claim released before its generation began gives its attempt
+-- back: a transaction that sets `newsnack.attempt_unspent` to `on` moves
+-- issues into `FAILED` with the attempt count from before the claim.
 
 CREATE OR REPLACE FUNCTION issue_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

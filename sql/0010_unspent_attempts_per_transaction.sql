@@ -1,12 +1,7 @@
--- 0010: the give-back of 0009 applies to the transaction that asks for it.
---
--- 0009 honoured `newsnack.attempt_unspent = on` from wherever it was set: a
--- session-level `SET`, or `ALTER DATABASE .. SET`, made every failure in
--- those sessions, the service's own and the reaper's included, give its
--- attempt back, so failing issues were retried without end. Now the
--- setting must hold the id of the very transaction that moves the issue
--- (`SELECT set_config('newsnack.attempt_unspent', txid_current()::text,
--- true)`); any other value is ignored. Everything else is as in 0009.
+-- 0010: the give-back of 0009 needs `newsnack.attempt_unspent` to hold the
+-- id of the very transaction that moves the issue
+-- (`set_config('newsnack.attempt_unspent', txid_current()::text, true)`);
+-- any other value, a session-wide `on` included, is ignored.
 
 CREATE OR REPLACE FUNCTION issue_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

@@ -1,19 +1,7 @@
--- 0011: plain SQL can no longer put a claim beyond the reaper's reach or
--- forge a fencing token.
---
--- Until now, an UPDATE that kept an issue `IN_PROGRESS` could set its
--- `lease_until` to NULL (the reaper, which looks for `lease_until < now()`,
--- never saw it again, and the dashboard hid it), and a claim could bring
--- any lease of its own: 'infinity', which the service cannot read, or a
--- year far ahead. Now a lease is bounded to 24 hours either side of now
--- (the longest `lease_s`); a NULL or non-finite one keeps the lease the
--- issue had, or for a claim gets the default.
---
--- And `claim_id` could be changed on any other transition (`SET
--- processing_status = 'FAILED', claim_id = NULL`), after which a claim
--- could take an earlier token again and a late worker holding that token
--- could write over it. Now a token changes only with a claim.
--- Everything else is as in 0010.
+-- 0011: a lease written with plain SQL stays within 24 hours of now (a NULL
+-- or non-finite one keeps the issue's lease, or gives a claim the default),
+-- and `claim_id` changes only with a claim. Claims already out of the
+-- reaper's reach get the default lease from now.
 
 CREATE OR REPLACE FUNCTION issue_before_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

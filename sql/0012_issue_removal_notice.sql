@@ -1,14 +1,6 @@
--- 0012: removing issues is announced.
---
--- Running services remember which issue ids are `DONE`, so that a claim
--- request for finished issues needs no database; `DONE` is terminal, so
--- that knowledge never goes stale, unless the issue is removed and its id
--- comes back: a `TRUNCATE issue RESTART IDENTITY` while the service runs,
--- or rows deleted and inserted again under explicit ids. Then requests
--- for the new issues were answered as if they were finished, until the
--- service restarted. Now every statement that deletes issues (or
--- truncates the table) sends NOTIFY `issue_removed` at commit (nothing if
--- it rolls back), and the services forget what they knew.
+-- 0012: a statement that deletes issues (at least one), and every
+-- `TRUNCATE issue`, sends NOTIFY `issue_removed` at commit, so that running
+-- services forget the ids they knew `DONE`.
 
 CREATE FUNCTION issue_announce_removal() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

@@ -1,16 +1,7 @@
--- 0013: every date and time the service reads back stays within what it
--- can represent.
---
--- The service reads timestamps as dates of the years 1 to 9999 (UTC), as
--- migration 8 already demands of `collected_at`. A value written with plain
--- SQL as 'infinity', or in the year 10000, was stored, and every read that
--- met it then failed: of the issue, the briefing, the run, or of the
--- transition log, whose readers (the listener included) would retry it
--- until someone set it right. These constraints refuse such values from
--- any writer. `retry_not_before` is left alone: 'infinity' there is the
--- mark of a fatal failure; so is `setting.updated_at`, which its trigger
--- always sets to now(). NOT VALID: rows already stored are not checked,
--- so the migration never fails on old data.
+-- 0013: the other dates the service reads back (`issue.updated_at`,
+-- `ai_article.created_at`, the log's `at`, `briefing.created_at`, the
+-- times of `pipeline_run`) must be within the years 1 to 9999 (UTC), from
+-- any writer. NOT VALID: rows already stored are not checked.
 
 ALTER TABLE issue ADD CONSTRAINT issue_updated_at_in_range
     CHECK (updated_at >= '0001-01-01 00:00:00+00' AND updated_at < '10000-01-01 00:00:00+00')

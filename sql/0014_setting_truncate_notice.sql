@@ -1,10 +1,5 @@
--- 0014: emptying the setting table is announced.
---
--- Every row change of `setting` sends NOTIFY `setting_changed` (0003), and
--- the services re-read their settings on it. A `TRUNCATE setting` changed
--- no row, so nothing was sent: every setting was back at its default for
--- the database, while running services kept the values they had cached
--- until the next change or reconnect.
+-- 0014: `TRUNCATE setting` sends NOTIFY `setting_changed` with the payload
+-- `*`, as every row change of `setting` sends its key.
 
 CREATE FUNCTION setting_announce_truncation() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

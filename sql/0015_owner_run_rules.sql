@@ -1,61 +1,11 @@
--- 0015: the rules run as their owner, with names nobody can shadow; and a
--- claim's lease counts from its commit.
---
--- Until now the trigger functions ran with the rights and the search_path
--- of whoever changed a row. A role allowed to update `issue` but not to
--- write the log could not change a status at all, and any role could bend
--- the rules for its own session: a function `issue_transition_is_legal`
--- earlier on its search_path (a schema of its own comes first by default)
--- let it move `DONE -> PENDING`; a temp table `issue_transition` took its
--- log rows, so the real log, `/events` and `tail` never saw the change; a
--- temp `setting` gave its claims a 24-hour lease. A session with an empty
--- search_path could not change a status even with schema-qualified SQL.
---
--- Now every trigger function is SECURITY DEFINER: it runs as the role that
--- owns it (the one that ran the migrations), so a writer that may only
--- update a few columns of `issue` still gets its transitions checked,
--- logged and announced. Each names every table, sequence, type and
--- function of this schema with the schema (`@extschema@`, the schema the
--- migration runs in, `current_schema()` quoted, put in by `newsnack
--- migrate`), and runs with `search_path = pg_catalog, pg_temp`: built-in
--- functions, operators and types come from pg_catalog, pg_temp comes last,
--- and nothing the caller creates (in a schema of its own, in pg_temp, or
--- in this very schema) can stand in for anything. This schema
--- stays off the path on purpose: before PostgreSQL 15 every role may
--- create objects in `public` by default, and a `public.nextval(text)` or
--- `public.json_build_object(..)` there would be a better match for the
--- rules' calls than the built-in ones (checked: a claim then drew the
--- token -42 and the notification carried the creator's payload, while the
--- rules ran with the owner's rights). EXECUTE on the trigger functions is
--- taken from PUBLIC: triggers fire without it, and nobody needs to call
--- them.
---
--- The helpers stay SECURITY INVOKER and callable by anyone
--- (`issue_transition_is_legal`, `newsnack_lease_seconds`,
--- `newsnack_schedule_problem`): they change nothing, and called from a
--- trigger they run as the owner, under the trigger's search_path. The two
--- that run on every transition or raw claim get no search_path of their
--- own: a function with one is never inlined and pays for the setting on
--- every call (measured in a loop of claims and failures: 70 us per
--- transition with it, 55 without, 47 before this migration); their bodies
--- name their table with the schema.
--- `newsnack_schedule_problem`, run only when a schedule is written, gets
--- the fixed search_path too.
---
--- A later migration that replaces one of these functions must repeat
--- `SECURITY DEFINER` (trigger functions) and the `SET search_path` clause:
--- CREATE OR REPLACE drops both when they are left out (tests/roles.rs
--- checks the catalogue).
---
--- Leases from the commit: a claim sets `lease_until = now() + lease`, and
--- now() is the time its transaction began. A claim whose transaction
--- stayed open longer than its lease (a slow client, a long batch) was
--- expired the moment it committed, and the reaper took it back at once.
--- The commit-time trigger, which runs for every claim anyway, now moves
--- the lease on by the time the transaction was open when that is more
--- than a second, with one more guarded row update; a claim that commits
--- promptly costs nothing extra. Everything else is as in 0002, 0003,
--- 0007, 0011, 0012 and 0014.
+-- 0015: the trigger functions run as their owner (SECURITY DEFINER,
+-- EXECUTE taken from PUBLIC) with `search_path = pg_catalog, pg_temp`, and
+-- name everything of this schema with it (`@extschema@`); the helpers stay
+-- callable by anyone. A claim's lease counts from its commit: the
+-- commit-time trigger moves it on when the transaction was open for more
+-- than a second. Why: docs/sql.md, "Why the rules run as the owner". A
+-- function replaced later must repeat SECURITY DEFINER and its settings:
+-- CREATE OR REPLACE drops what it does not repeat.
 
 -- Helpers: callable by anyone, as before. `issue_transition_is_legal`
 -- names nothing of this schema and stays as in 0002 (inlined into the

@@ -1,24 +1,7 @@
--- 0016: the claim and the completion keep their plans without a named
--- prepared statement.
---
--- The service sends every statement unnamed (parsed and planned on every
--- call), so that a transaction pooler such as PgBouncer may run each
--- transaction on another server session: a named prepared statement lives
--- on one server session, and before this the service kept one per pooled
--- session, with `plan_cache_mode = force_generic_plan` set at start-up,
--- which PgBouncer refuses. Planning the claim and the completion on every
--- call more than doubles what they cost the database (measured with
--- callgrind on a single-user backend, one-id claims: 863k instructions per
--- claim prepared, 1,919k sent unnamed, 960k through the function below;
--- docs/performance.md). A PL/pgSQL function keeps the plan of each of its
--- statements for the life of the server session that runs it, whichever
--- client that session serves, and a generic plan is forced, since these
--- statements look rows up by id and their best plan does not depend on the
--- values bound (left to choose, the server plans them anew on every call).
---
--- They run as their caller (only the service, the tables' owner, may call
--- them: EXECUTE is taken from PUBLIC) and name the tables with the schema;
--- their statements are the ones src/db/issue.rs documents.
+-- 0016: `newsnack_claim` and `newsnack_complete`: the claim and the
+-- completion as PL/pgSQL functions, which keep a generic plan of each
+-- statement for the server session, so that the service can send them
+-- unnamed (through a transaction pooler). Only the owner may call them.
 
 CREATE FUNCTION @extschema@.newsnack_claim(
     ids bigint[], holder text, lease_s double precision, retry_below integer

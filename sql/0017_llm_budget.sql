@@ -1,39 +1,8 @@
--- 0017: generation under one LLM budget, shared by every instance; token
--- usage; prompts, the readers' time zone and the briefing's title as
--- settings.
---
--- The budget lives here, in plain tables, so it needs no new
--- infrastructure and works through a transaction pooler (nothing is kept
--- on a session):
---
--- * `llm_holder`: one row per running process that makes LLM calls (its
---   instance name and a random suffix), with a lease it renews. A holder
---   whose lease ran out is deleted with its calls: a killed instance's
---   share of the budget comes back within its lease.
--- * `llm_call`: one row per LLM call waiting for the budget or in flight,
---   with its class (`briefing` before `feed`) and its claim's fencing token
---   (`claim_id`, drawn from a sequence at claim time: the oldest claim has
---   the smallest). A call is granted when `granted_at` is set; it leaves
---   when it ends (kept a minute longer while `llm_requests_per_minute`
---   counts starts).
--- * `llm_budget`: the one row that dispatchers lock, and the cluster-wide
---   pause a 429 (or 503) with Retry-After starts.
--- * `issue_priority`: the class an issue was last asked for at, so that a
---   retry (by any instance) keeps it.
---
--- `newsnack_llm_exchange` is the only writer of the budget: one statement
--- per exchange, run by each holder's agent. Under the lock of the budget
--- row it renews the caller's lease, removes expired holders, takes the
--- caller's finished calls back, records a pause, queues the caller's new
--- calls, and grants what the budget allows, cluster-wide, in order:
--- briefing calls first, oldest claim first within a class, never more than
--- `llm_max_in_flight` at once, `llm_requests_per_minute` starts a minute
--- or `generation_concurrency` per holder, none during a pause; while a
--- briefing call waits anywhere, no feed call is granted. Holders whose
--- calls it granted get a NOTIFY on channel `llm_budget` (payload: the
--- holder) and ask what they were granted with the same function; a pause
--- is announced with payload `*`. A notification is a doorbell: the answer
--- comes from the tables.
+-- 0017: the LLM budget shared by every instance (`llm_holder`, `llm_call`,
+-- `llm_budget`, `issue_priority`, and `newsnack_llm_exchange`, their only
+-- writer; docs/architecture.md, "The shared LLM budget"); token usage on
+-- `ai_article`, recorded by `newsnack_complete`; settings of new kinds for
+-- the budget, the prompts, the readers' time zone and the briefing's title.
 
 -- Settings of new kinds. For the text kinds, `min_value` and `max_value`
 -- bound the length in characters.

@@ -1,21 +1,7 @@
--- 0018: a transition's notification is signed, so that the listener may
--- publish it without reading the log back.
---
--- Any role that can log in can send `pg_notify('issue_transition', ..)`,
--- so since migration 15 a notification has only been a doorbell: the
--- listener read the log on every one, a round trip between a commit and
--- its subscribers (p99 3.6 times the payload path's, docs/performance.md).
--- Now the trigger, which runs as the owner, appends an HMAC-SHA256 of the
--- payload made with a key only the owner may read. The listener (the
--- owner's session) publishes a notification whose MAC checks out and that
--- follows the last one it published; anything else (no MAC, a wrong one,
--- a gap) still rings the doorbell and the log decides.
---
--- The key is 32 random bytes (two version-4 UUIDs' random bits, from the
--- server's strong random source). The owner rotates it with
--- `SELECT newsnack_rotate_notification_key()`; a listener meets the new key
--- on its next notification (the MAC fails, the log confirms the
--- transition, the listener reads the key again).
+-- 0018: each transition's notification is signed with a key only the
+-- owner may read (`notification_key`, rotated with
+-- `newsnack_rotate_notification_key()`), so that the listener may publish
+-- a signed payload without reading the log back.
 
 CREATE TABLE @extschema@.notification_key (
     only_row  boolean PRIMARY KEY DEFAULT true CONSTRAINT notification_key_one_row CHECK (only_row),

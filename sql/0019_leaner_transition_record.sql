@@ -1,27 +1,7 @@
--- 0019: a transition's log row, signature and notification cost less.
---
--- The transition trigger runs at commit, holding the lock that keeps the
--- log's order the commit order, so every instruction it spends is spent
--- while every other transitioning commit waits (docs/performance.md,
--- "Where a claim's time goes"). Measured with callgrind per claimed issue
--- (32-id claims, single-user backend), four things cost without need:
---
--- - `PERFORM f()` runs a whole query (executor start and end) where an
---   expression does: the lock and the notification are now expressions
---   (`IF f() IS NULL THEN NULL; END IF;`, PL/pgSQL's fast path);
--- - the key was read into a row of the table's type: now its two columns
---   into two variables;
--- - `issue_transition_at_in_range` (migration 13) was read back from the
---   catalogue and compiled for each log row, one statement each: about 5%
---   of a claim. Since migration 15 only the owner writes the log, and only
---   through this trigger, which writes `clock_timestamp()`: no role that
---   `grant` makes can store a time the service cannot read, and the
---   constraint goes;
--- - `json_build_object` looked up how to print each of its values on
---   every call: the payload, the very same text, is now concatenated.
---
--- What the trigger does, and the payload it signs (to the byte), are as
--- in 0018.
+-- 0019: the transition trigger costs less (docs/performance.md): its lock
+-- and notification are expressions, the key is read into two variables and
+-- the payload is concatenated (the same text); the log's `at` check goes,
+-- since only this trigger writes the log.
 
 ALTER TABLE @extschema@.issue_transition DROP CONSTRAINT IF EXISTS issue_transition_at_in_range;
 

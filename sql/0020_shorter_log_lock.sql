@@ -1,34 +1,8 @@
--- 0020: a transition's record does less while it holds the log's lock.
---
--- Everything the trigger does after taking the lock that keeps the log's
--- order the commit order, every other transitioning commit waits for
--- (docs/performance.md, "What the log's lock holds"). Measured with
--- callgrind per claimed issue (32-id claims, single-user backend), four
--- things cost about 41,000 instructions there without need:
---
--- - the MAC was an HMAC-SHA256, two digests: it is now SHA-384 of the key
---   followed by the payload, one digest. A plain SHA-256 of key and
---   payload would let anyone who saw a MAC extend it to a longer payload;
---   SHA-384 keeps 128 bits of its state out of its digest, which rules
---   that out. HMAC's padded keys go from `notification_key`;
--- - `RETURNING *` into a row of the log's type built and copied the whole
---   row: only `seq` and `at` come back now, the trigger knows the rest;
--- - `left(payload, -1)` counted the payload's characters to drop its
---   closing brace: the brace is now added last;
--- - `SET search_path` made every run save, set and restore a setting and
---   look its plans' names up again. The trigger now has no setting of its
---   own and names everything with its schema, operators too
---   (`OPERATOR(pg_catalog.=)`), types and functions in `pg_catalog`,
---   tables in this schema: whatever the caller's path, its own schemas,
---   operators or temp tables, nothing of theirs is found
---   (tests/roles.rs shadows every built-in function, operator and type
---   it uses). It is the only trigger function without the fixed path;
---   one that replaces it must keep to this.
---
--- The payload's fields and their text are as in 0019; the MAC's field
--- holds 96 hex digits where it held 64 (src/transition.rs). A listener
--- that still checks HMACs finds every MAC wrong and reads the log, as it
--- does for any notification it cannot trust.
+-- 0020: the transition trigger does less while it holds the log's lock:
+-- the MAC is SHA-384 of the key followed by the payload (96 hex digits; it
+-- was an HMAC-SHA256), only `seq` and `at` come back from the insert, and
+-- the trigger names everything with its schema instead of
+-- `SET search_path`. `notification_key` drops HMAC's padded keys.
 
 CREATE OR REPLACE FUNCTION @extschema@.newsnack_rotate_notification_key() RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$

@@ -1,38 +1,8 @@
--- 0021: less per writing statement on `issue`: its checks read back
--- from the catalogue in fewer nodes, no WHEN clause on the log's trigger,
--- the rule without `SET search_path`; and the log's lock taken later.
---
--- PostgreSQL 15 keeps a table's CHECK constraints and a trigger's WHEN
--- clause as node trees in text: every statement that writes a row reads
--- each of them back (`stringToNode`), folds its constants and compiles
--- it, once per statement, however few rows it writes. Measured with
--- callgrind on one-id claims and completions, each its own transaction
--- (a single-user backend, the claim as the service keeps it; the
--- figures in docs/performance.md), `issue`'s six constraints cost about
--- a quarter of the database's instructions, and their cost goes with the
--- number of nodes rather than the number of constraints. So, with the
--- same names and the same meaning:
---
--- - a list of constants is one array constant (`= ANY ('{..}'::text[])`)
---   rather than an array built of four constants and folded again for
---   every statement;
--- - a range of dates is one `<@` with a range constant rather than two
---   comparisons joined by AND (both bounds as before: from the year 1
---   inclusive to the year 10000 exclusive, UTC; infinities refused);
--- - `issue_transition_on_update` has no WHEN clause: the trigger already
---   runs only for statements that set `processing_status`, and now the
---   function itself returns at once when the status stayed as it was (an
---   update that leaves the status as it is is not a transition, as
---   before).
---
--- The constraints on dates stay NOT VALID, as migration 13 made them:
--- rows already stored are not checked. The others are checked against
--- every row again as they are added back; the old ones guaranteed them.
---
--- The transition trigger reads the signing key before it takes the
--- log's lock, not after: everything it does while holding the lock,
--- every other transitioning commit waits for. The payload and its MAC
--- are as in 0020, to the byte.
+-- 0021: less per writing statement on `issue` (docs/performance.md): the
+-- checks of `issue` and `ai_article` in fewer nodes (same names, same
+-- meaning; the date checks still NOT VALID), no WHEN clause on
+-- `issue_transition_on_update` (the function returns when the status
+-- stayed), and the signing key read before the log's lock.
 
 ALTER TABLE @extschema@.issue
     DROP CONSTRAINT issue_processing_status_valid,
@@ -137,19 +107,9 @@ BEGIN
 END
 $$;
 
--- The rule that guards every change of an issue names everything with its
--- schema, as the log's trigger does since 0020, instead of running under
--- `SET search_path`: the clause made every row's run save, set and restore
--- a setting and look its cached plans' names up again (about 14,000
--- instructions a row). Operators are `OPERATOR(pg_catalog.x)`; `IS
--- DISTINCT FROM`, a simple `CASE` and a row's `IN`, which find their `=`
--- by name, are written out with it; functions and types are
--- `pg_catalog`'s, tables and the sequence this schema's. The two helpers
--- it calls are inlined into it under the caller's path, so they are
--- written the same way (their meaning is unchanged). Whatever the
--- caller's path, its own schemas, operators or temp tables, nothing of
--- theirs is found (tests/roles.rs shadows every built-in function,
--- operator and type these three use). What the rule does is as in 0015.
+-- The rule and the two helpers inlined into it name every operator,
+-- function, type and table with its schema instead of running under
+-- `SET search_path`; what they do is unchanged.
 
 CREATE OR REPLACE FUNCTION @extschema@.issue_transition_is_legal(from_status text, to_status text)
 RETURNS boolean LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
