@@ -30,7 +30,7 @@ use crate::db::advisory::{self, AdvisoryLock};
 use crate::db::issue::ClaimScope;
 use crate::db::pipeline_run::{self, RunRecord};
 use crate::db::{DbError, DbPool};
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::generation::retry::RetryScope;
 use crate::generation::worker::GeneratorHandle;
 use crate::model::llm::Priority;
@@ -80,7 +80,7 @@ pub struct Pipeline {
     /// The direct endpoint: the run's lock needs a session of its own.
     pub direct: crate::db::Endpoint,
     pub pool: DbPool,
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     pub claimer: Claimer,
     pub generator: GeneratorHandle,
     pub settings: Arc<SettingsCache>,

@@ -310,7 +310,7 @@ async fn listen(
     database: &db::Database,
     pool: DbPool,
     shutdown: &CancellationToken,
-) -> Result<crate::events::listener::TransitionHub, CliError> {
+) -> Result<crate::events::hub::EventHub, CliError> {
     let (hub, _task) = Listener::start(
         database.direct.clone(),
         pool,

@@ -38,7 +38,7 @@ pub use error::ApiError;
 use crate::claims::claim::Claimer;
 use crate::claims::known_done::DoneIssues;
 use crate::db::DbPool;
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::generation::worker::GeneratorHandle;
 use crate::settings::SettingsCache;
 
@@ -63,7 +63,7 @@ impl std::ops::Deref for AppState {
 /// The service's parts the handlers use.
 pub struct Services {
     pub pool: DbPool,
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     pub claimer: Claimer,
     /// Issues known to be `DONE`: claims for nothing else skip the database.
     pub done: DoneIssues,
