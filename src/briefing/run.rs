@@ -453,6 +453,8 @@ const LOCK_LOST: &str = "the pipeline lock was lost mid-run (its database sessio
                          database stayed unreachable); stopped without a briefing";
 
 impl RunRecord {
+    /// Records the run as stopped by the loss of its lock: an error, and
+    /// no briefing.
     fn lock_lost(&mut self) {
         self.outcome = "error".into();
         self.error = Some(LOCK_LOST.into());

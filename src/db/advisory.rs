@@ -22,7 +22,7 @@ pub const TRANSITION_LOG: i64 = 7_236_284_560_371_893_001;
 pub const MIGRATIONS: i64 = 7_236_284_560_371_893_002;
 /// Held by the one instance running the lease reaper.
 pub const LEASE_REAPER: i64 = 7_236_284_560_371_893_003;
-/// Held by the one instance running a pipeline tick.
+/// Held by the one pipeline run in progress, for its whole length.
 pub const PIPELINE: i64 = 7_236_284_560_371_893_004;
 
 /// A readable name for a key, for listings.
@@ -118,13 +118,6 @@ impl AdvisoryLock {
         self.session.pid
     }
 
-    /// A token cancelled the moment the holding session ends: from then on
-    /// another session can take the lock. A server-side termination is seen
-    /// at once, a silently broken network within the TCP keepalive timeout.
-    pub fn lost(&self) -> CancellationToken {
-        self.session.ended.clone()
-    }
-
     /// True while the holding session is alive (and so still holds the lock).
     /// A session that does not answer within [`PING_TIMEOUT`] counts as
     /// gone (a silently broken network would otherwise hold this for the
@@ -139,8 +132,9 @@ impl AdvisoryLock {
     }
 
     /// Returns once the holding session has ended or fails a ping, sent
-    /// every `every`. The pings find what the connection alone would not
-    /// report for a long time: an idle-session timeout, a dead network.
+    /// every `every`. A server-side termination is seen at once; the pings
+    /// find what the connection alone would report only after the TCP
+    /// keepalive gives up: an idle-session timeout, a dead network.
     pub async fn session_ends(&self, every: Duration) {
         let pings = async {
             loop {
