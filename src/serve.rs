@@ -12,7 +12,8 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::briefing::run::{Pipeline, PipelineScheduler};
+use crate::briefing::run::Pipeline;
+use crate::briefing::scheduler::PipelineScheduler;
 use crate::claims::claim::Claimer;
 use crate::claims::known_done::DoneIssues;
 use crate::db::{self, DbError, PoolOptions};
