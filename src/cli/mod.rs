@@ -1,6 +1,6 @@
 //! The command line: clap definitions (their doc comments are the `--help`
-//! text) and the one-shot commands. Long-running services live in their own
-//! modules; this file only parses, connects and dispatches.
+//! text) and the dispatch to the one-shot commands (`commands`), the demo
+//! and `serve`. This file only parses and dispatches.
 
 mod commands;
 pub mod demo;
