@@ -47,8 +47,8 @@ pub const BODY_LIMIT: usize = 1024 * 1024;
 
 /// What every handler may use, behind one `Arc`: axum clones the state for
 /// every request, and cloning [`Services`] itself (two pools, a
-/// cancellation token, the token's text) took 1.3% of a together start's
-/// CPU samples (docs/performance.md).
+/// cancellation token, the token's text) showed in the claim path's CPU
+/// profile.
 #[derive(Clone)]
 pub struct AppState(Arc<Services>);
 
