@@ -18,9 +18,9 @@ mod common;
 use std::process::{Output, Stdio};
 use std::sync::Arc;
 
-use common::{within, TestDb};
+use common::{within, Setup, TestDb};
 use futures::future::{BoxFuture, FutureExt};
-use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::serve::RunningService;
 use newsnack::writer::{Article, IssueText, OfflineWriter, WriteError, WriteErrorKind, Writer};
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
@@ -56,14 +56,13 @@ impl Writer for RefusingWriter {
 }
 
 async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
-    let options = ServeOptions {
-        pool_size: 8,
+    let setup = Setup {
+        pool_size: Some(8),
         api_token: token.map(str::to_string),
-        ..db.serve_options("airflow-example")
+        ..Setup::default()
     };
-    newsnack::serve::start(options, Arc::new(RefusingWriter))
+    db.serve_with("airflow-example", Arc::new(RefusingWriter), setup)
         .await
-        .expect("start the service")
 }
 
 /// Runs the example script against `base_url` with `token` in its

@@ -23,11 +23,11 @@ use common::audit::{post_wait, Audit, AuditReport, WaitRecord, WaitSpec};
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
 use common::subscribers::Recording;
-use common::{until_published, until_sql, within, TestDb};
+use common::{until_published, until_sql, within, Setup, TestDb};
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::events::listener::{Listener, ListenerOptions, ListenerStatus, TransitionHub};
-use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::serve::RunningService;
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -68,21 +68,12 @@ async fn start_service(
     pool_size: usize,
     writer: SharedWriter,
 ) -> RunningService {
-    newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.to_string()),
-            direct_database_url: None,
-            instance: instance.into(),
-            pool_size,
-            grace: Duration::from_secs(2),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        writer,
-    )
-    .await
-    .expect("start the service")
+    let setup = Setup {
+        pool_size: Some(pool_size),
+        grace: Some(Duration::from_secs(2)),
+        ..Setup::default()
+    };
+    common::start_service(url, instance, writer, setup).await
 }
 
 /// A listener that reconnects within milliseconds, for the test's own view.
@@ -1034,17 +1025,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
     db.set("lease_s", "1").await;
     // Everything of the service but its lease reaper.
     let shutdown = CancellationToken::new();
-    let core = newsnack::serve::Core::start(
-        &db.database(),
-        "no-reaper",
-        4,
-        Arc::new(OfflineWriter),
-        Duration::from_secs(1),
-        newsnack::generation::retry::RetryScope::everything(),
-        &shutdown,
-    )
-    .await
-    .unwrap();
+    let core = db.core("no-reaper", &shutdown).await;
     let ids = db.add_issues(6).await;
     let claimed = core
         .claimer

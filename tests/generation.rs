@@ -12,7 +12,9 @@ use std::time::Duration;
 use common::fake_llm::{FakeLlm, Reply};
 use common::gate::DbGate;
 use common::process::ServeProcess;
-use common::{until_sql, until_sql_polled, until_status, within, TestDb};
+use common::{
+    until_sql, until_sql_polled, until_status, within, Apart, GeneratorApart, Setup, TestDb,
+};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use tokio::sync::watch;
 
@@ -620,8 +622,6 @@ async fn an_outcome_that_cannot_be_recorded_fails_at_once_with_the_reason() {
 async fn failures_left_from_before_start_are_retried_after_a_failed_first_look() {
     use newsnack::claims::claim::Claimer;
     use newsnack::generation::retry::RetryScheduler;
-    use newsnack::generation::worker::Generator;
-    use newsnack::settings::SettingsCache;
 
     let db = TestDb::new().await;
     db.set("retry_backoff_ms", "1").await;
@@ -633,23 +633,21 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
     let gated = newsnack::db::Endpoint::parse(&gate.url, "gated").unwrap();
     let pool = newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap();
 
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::events::listener::Listener::start(
-        db.endpoint.clone(),
-        pool.clone(),
-        Default::default(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
-    let (generator, handle) = Generator::new(
-        pool.clone(),
-        Arc::new(OfflineWriter),
-        settings.clone(),
-        hub.settings_changed(),
-        Duration::from_secs(5),
-    );
+    let GeneratorApart {
+        hub,
+        stop,
+        settings,
+        generator,
+        handle,
+    } = db
+        .generator_apart(
+            Arc::new(OfflineWriter),
+            Apart {
+                pool: Some(pool.clone()),
+                ..Apart::default()
+            },
+        )
+        .await;
     // Nothing else uses the pool until the generator runs.
     tokio::spawn(
         RetryScheduler {
@@ -721,27 +719,22 @@ struct HeldGenerator {
 }
 
 async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerator {
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::events::listener::Listener::start(
-        db.endpoint.clone(),
-        db.pool.clone(),
-        Default::default(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let settings = Arc::new(newsnack::settings::SettingsCache::new(
-        db.pool.clone(),
-        hub.settings_changed(),
-    ));
     let (writer, calls, release) = held_writer();
-    let (generator, handle) = newsnack::generation::worker::Generator::new(
-        pool,
-        writer,
-        settings,
-        hub.settings_changed(),
-        Duration::from_secs(5),
-    );
+    let GeneratorApart {
+        hub,
+        stop,
+        generator,
+        handle,
+        ..
+    } = db
+        .generator_apart(
+            writer,
+            Apart {
+                generator_pool: Some(pool),
+                ..Apart::default()
+            },
+        )
+        .await;
     tokio::spawn(generator.run(stop.clone()));
     HeldGenerator {
         hub,
@@ -845,9 +838,16 @@ async fn a_full_backlog_turns_claims_away_until_it_is_written() {
     let db = TestDb::new().await;
     let ids = db.add_issues(4).await;
     let (writer, mut calls, release) = held_writer();
-    let mut options = db.serve_options("backlogged");
-    options.max_backlog = 3;
-    let service = newsnack::serve::start(options, writer).await.unwrap();
+    let service = db
+        .serve_with(
+            "backlogged",
+            writer,
+            Setup {
+                max_backlog: Some(3),
+                ..Setup::default()
+            },
+        )
+        .await;
     let http = reqwest::Client::new();
     let (status, body) = post_ids(&http, service.addr, &ids[..3]).await;
     assert_eq!(status, 202, "{body}");
@@ -1033,15 +1033,16 @@ async fn shutdown_releases_unfinished_generations_as_failed() {
     // A grace period long enough that the state between the queued
     // releases and the started one's is seen however loaded the machine.
     let grace = Duration::from_secs(15);
-    let service = newsnack::serve::start(
-        newsnack::serve::ServeOptions {
-            grace,
-            ..db.serve_options("stopping")
-        },
-        writer,
-    )
-    .await
-    .unwrap();
+    let service = db
+        .serve_with(
+            "stopping",
+            writer,
+            Setup {
+                grace: Some(grace),
+                ..Setup::default()
+            },
+        )
+        .await;
     let (status, body) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
     assert_eq!(status, 202, "{body}");
     within(30, "the first call to start", calls.wait_for(|n| *n == 1))

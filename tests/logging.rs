@@ -9,9 +9,9 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use common::process::{Output, ServeProcess};
+use common::process::{self, Output, ServeProcess};
 use common::{within, TestDb};
 use reqwest::StatusCode;
 use serde_json::json;
@@ -117,9 +117,7 @@ async fn tail_with_its_stderr_on_a_full_disk_stops_on_sigterm() {
         .write(true)
         .open("/dev/full")
         .unwrap();
-    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["tail", "--json", "--since", "0"])
-        .env("DATABASE_URL", &db.url)
+    let mut tail = process::command(&db.url, &["tail", "--json", "--since", "0"])
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -14,11 +14,11 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use common::{within, TestDb};
+use common::{within, Setup, TestDb};
 use futures::future::{BoxFuture, FutureExt};
 use newsnack::events::listener::TransitionHub;
 use newsnack::model::status::Status;
-use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::serve::RunningService;
 use newsnack::writer::{
     Article, IssueText, OfflineWriter, SharedWriter, WriteError, WriteErrorKind, Writer,
 };
@@ -45,13 +45,11 @@ async fn serve_with_token(
     writer: SharedWriter,
     api_token: Option<&str>,
 ) -> RunningService {
-    let options = ServeOptions {
+    let setup = Setup {
         api_token: api_token.map(str::to_string),
-        ..db.serve_options(instance)
+        ..Setup::default()
     };
-    newsnack::serve::start(options, writer)
-        .await
-        .expect("start the service")
+    db.serve_with(instance, writer, setup).await
 }
 
 /// One answer: status, headers and the body as JSON (`Value::Null` when the

@@ -10,12 +10,12 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::Arc;
 
 use common::pgbouncer::PgBouncer;
-use common::{until_sql_polled, within, TestDb};
-use newsnack::serve::ServeOptions;
+use common::process::{self, text};
+use common::{until_sql_polled, within, Setup, TestDb};
 use newsnack::writer::OfflineWriter;
 use serde_json::{json, Value};
 
@@ -28,21 +28,14 @@ async fn bouncer_for(db: &TestDb) -> PgBouncer {
 
 /// `newsnack ARGS` with the given database URLs.
 fn newsnack(url: &str, direct: Option<&str>, args: &[&str]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
+    let mut command = process::command(url, args);
     command
-        .args(args)
-        .env("DATABASE_URL", url)
         .env_remove("NEWSNACK_DIRECT_DATABASE_URL")
-        .env_remove("NEWSNACK_LLM_URL")
-        .env("RUST_LOG", "warn");
+        .env_remove("NEWSNACK_LLM_URL");
     if let Some(direct) = direct {
         command.env("NEWSNACK_DIRECT_DATABASE_URL", direct);
     }
     command.output().expect("run newsnack")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
@@ -58,16 +51,17 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     db.set("lease_s", "2").await;
     let bouncer = bouncer_for(&db).await;
     let pooled = bouncer.url("postgres", &db.name);
-    let service = newsnack::serve::start(
-        ServeOptions {
-            database_url: Some(pooled.clone()),
-            direct_database_url: Some(db.url.clone()),
-            ..db.serve_options("bounced")
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("serve through PgBouncer");
+    let service = db
+        .serve_with(
+            "bounced",
+            Arc::new(OfflineWriter),
+            Setup {
+                pooled_url: Some(pooled.clone()),
+                direct_url: Some(db.url.clone()),
+                ..Setup::default()
+            },
+        )
+        .await;
     let base = format!("http://{}", service.addr);
     let http = reqwest::Client::new();
     let ready = http.get(format!("{base}/readyz")).send().await.unwrap();
@@ -77,9 +71,7 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     let start = db
         .scalar_i64("SELECT COALESCE(max(seq), 0) FROM issue_transition")
         .await;
-    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["tail", "--json", "--since", &start.to_string()])
-        .env("DATABASE_URL", &pooled)
+    let mut tail = process::command(&pooled, &["tail", "--json", "--since", &start.to_string()])
         .env("NEWSNACK_DIRECT_DATABASE_URL", &db.url)
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
@@ -245,16 +237,18 @@ async fn without_the_direct_url_the_service_is_not_ready_and_says_why() {
     let db = TestDb::new().await;
     let bouncer = bouncer_for(&db).await;
     let pooled = bouncer.url("postgres", &db.name);
-    let service = newsnack::serve::start(
-        ServeOptions {
-            database_url: Some(pooled.clone()),
-            direct_database_url: None,
-            ..db.serve_options("misconfigured")
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("serve starts, and says what is wrong");
+    // Serve starts, and says what is wrong.
+    let service = db
+        .serve_with(
+            "misconfigured",
+            Arc::new(OfflineWriter),
+            Setup {
+                pooled_url: Some(pooled.clone()),
+                direct_url: None,
+                ..Setup::default()
+            },
+        )
+        .await;
     let ready = reqwest::get(format!("http://{}/readyz", service.addr))
         .await
         .unwrap();

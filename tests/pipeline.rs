@@ -8,12 +8,12 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::Arc;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::process::ServeProcess;
-use common::{until_sql, until_sql_polled, within, TestDb};
+use common::process::{self, ServeProcess};
+use common::{until_sql, until_sql_polled, within, Setup, TestDb};
 use newsnack::briefing::run::Trigger;
 use newsnack::writer::OfflineWriter;
 
@@ -23,11 +23,7 @@ fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
 
 /// Runs the binary on the database at `url`.
 fn newsnack_at(url: &str, args: &[&str], llm: Option<&str>) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
-    command
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn");
+    let mut command = process::command(url, args);
     if let Some(url) = llm {
         command.env("NEWSNACK_LLM_URL", url);
     }
@@ -457,17 +453,7 @@ async fn a_late_instance_leaves_a_tick_that_already_has_a_run_alone() {
     let db = TestDb::new().await;
     scored_issues(&db, &[1.0]).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let core = newsnack::serve::Core::start(
-        &db.database(),
-        "late",
-        4,
-        Arc::new(OfflineWriter),
-        std::time::Duration::from_secs(1),
-        newsnack::generation::retry::RetryScope::everything(),
-        &shutdown,
-    )
-    .await
-    .unwrap();
+    let core = db.core("late", &shutdown).await;
     let tick = time::macros::datetime!(2026-11-30 06:00:00 UTC);
     let sql = db.raw().await;
     let first: i64 = sql
@@ -619,11 +605,8 @@ async fn run_pipeline_in_flight(
     llm: &str,
 ) -> std::process::Child {
     let ids = scored_issues(db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
-    let child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("run-pipeline")
-        .env("DATABASE_URL", &db.url)
+    let child = process::command(&db.url, &["run-pipeline"])
         .env("NEWSNACK_LLM_URL", llm)
-        .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -1067,15 +1050,16 @@ async fn a_scheduled_run_stopped_by_a_shutdown_publishes_what_was_done() {
     let writer = NeverFor {
         never: ids[..2].to_vec(),
     };
-    let service = newsnack::serve::start(
-        newsnack::serve::ServeOptions {
-            grace: std::time::Duration::from_millis(200),
-            ..db.serve_options("restarting")
-        },
-        Arc::new(writer),
-    )
-    .await
-    .unwrap();
+    let service = db
+        .serve_with(
+            "restarting",
+            Arc::new(writer),
+            Setup {
+                grace: Some(std::time::Duration::from_millis(200)),
+                ..Setup::default()
+            },
+        )
+        .await;
     db.set("schedule", "every 1s").await;
     until_sql(
         &db,

@@ -9,8 +9,7 @@
 
 mod common;
 
-use std::process::{Command, Output};
-
+use common::process::{newsnack, text};
 use common::{within, TestDb};
 use futures::StreamExt;
 use newsnack::db::migrate::{migrate, migrate_up_to};
@@ -1524,19 +1523,6 @@ async fn grant_quotes_any_role_name() {
     assert_eq!(owned.privileges_of(&role).await, writer_privileges());
     let w = owned.connect_as(&role).await;
     add_issue(&w, "still here").await;
-}
-
-fn newsnack(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run newsnack")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 #[tokio::test]

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use common::{until_status, TestDb};
+use common::{process, until_status, Setup, TestDb};
 use newsnack::writer::OfflineWriter;
 use serde_json::json;
 
@@ -77,26 +77,20 @@ fn schemathesis() -> PathBuf {
 /// A service with a token and data in it: one published pipeline run, an
 /// issue failed with its error, issues pending.
 async fn service_with_data(db: &TestDb) -> newsnack::serve::RunningService {
-    let service = newsnack::serve::start(
-        newsnack::serve::ServeOptions {
-            api_token: Some(TOKEN.into()),
-            ..db.serve_options("schemathesis")
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("start the service");
+    let service = db
+        .serve_with(
+            "schemathesis",
+            Arc::new(OfflineWriter),
+            Setup {
+                api_token: Some(TOKEN.into()),
+                ..Setup::default()
+            },
+        )
+        .await;
     // Waits that name no timeout last the setting's, not ten minutes.
     db.set("content_gen_timeout_s", "2").await;
     db.add_issues(8).await;
-    let run = tokio::task::block_in_place(|| {
-        Command::new(env!("CARGO_BIN_EXE_newsnack"))
-            .arg("run-pipeline")
-            .env("DATABASE_URL", &db.url)
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap()
-    });
+    let run = tokio::task::block_in_place(|| process::newsnack(&db.url, &["run-pipeline"]));
     assert!(
         run.status.success(),
         "run-pipeline: {}",

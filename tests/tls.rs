@@ -9,29 +9,23 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::Arc;
 
+use common::process::{self, text};
 use common::subscribers::Recording;
 use common::tls::{self, TlsCluster};
-use common::TestDb;
+use common::{Setup, TestDb};
 use newsnack::db::tls::{SessionSecurity, Verification};
-use newsnack::serve::ServeOptions;
 use newsnack::writer::OfflineWriter;
 use serde_json::{json, Value};
 
 fn newsnack(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(args)
-        .env("DATABASE_URL", url)
+    process::command(url, args)
         .env_remove("NEWSNACK_DIRECT_DATABASE_URL")
         .env("RUST_LOG", "error")
         .output()
         .expect("run newsnack")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 fn verify_full(cluster: &TlsCluster, database: &str) -> String {
@@ -61,21 +55,11 @@ async fn the_whole_service_runs_over_verify_full_against_a_tls_only_server() {
     let migrated = newsnack(&url, &["migrate"]);
     assert!(migrated.status.success(), "{}", text(&migrated.stderr));
 
-    let service = newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.clone()),
-            direct_database_url: None,
-            instance: "tls".into(),
-            pool_size: 8,
-            grace: std::time::Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("serve over verify-full");
+    let small_pool = Setup {
+        pool_size: Some(8),
+        ..Setup::default()
+    };
+    let service = common::start_service(&url, "tls", Arc::new(OfflineWriter), small_pool).await;
     let base = format!("http://{}", service.addr);
     let http = reqwest::Client::new();
     let ready: Value = http

@@ -15,14 +15,17 @@ pub mod subscribers;
 pub mod tls;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::events::listener::{Listener, ListenerOptions, TransitionHub};
-use newsnack::serve::{RunningService, ServeOptions};
-use newsnack::writer::SharedWriter;
+use newsnack::generation::retry::RetryScope;
+use newsnack::generation::worker::{Generator, GeneratorHandle};
+use newsnack::serve::{Core, RunningService, ServeOptions};
+use newsnack::settings::SettingsCache;
+use newsnack::writer::{OfflineWriter, SharedWriter};
 use tokio_postgres::{Client, NoTls};
 use tokio_util::sync::CancellationToken;
 
@@ -243,16 +246,68 @@ impl TestDb {
         &self,
         options: ListenerOptions,
     ) -> (TransitionHub, CancellationToken) {
+        self.listener_on(self.pool.clone(), options).await
+    }
+
+    /// Starts a listener whose reads of the log go through `pool` (a pool
+    /// the test holds busy, or reaches through a gate); cancel the token to
+    /// stop it.
+    pub async fn listener_on(
+        &self,
+        pool: DbPool,
+        options: ListenerOptions,
+    ) -> (TransitionHub, CancellationToken) {
         let token = CancellationToken::new();
-        let (hub, _task) = Listener::start(
-            self.endpoint.clone(),
-            self.pool.clone(),
-            options,
-            token.clone(),
+        let (hub, _task) = Listener::start(self.endpoint.clone(), pool, options, token.clone())
+            .await
+            .expect("start listener");
+        (hub, token)
+    }
+
+    /// The service's core on this database (its listener, settings,
+    /// claimer, generator and retries, four sessions, the offline writer,
+    /// a grace of one second) without the HTTP API, the lease reaper or the
+    /// scheduler: for a test that drives those parts itself. It stops when
+    /// `shutdown` is cancelled.
+    pub async fn core(&self, instance: &str, shutdown: &CancellationToken) -> Core {
+        Core::start(
+            &self.database(),
+            instance,
+            4,
+            Arc::new(OfflineWriter),
+            Duration::from_secs(1),
+            RetryScope::everything(),
+            shutdown,
         )
         .await
-        .expect("start listener");
-        (hub, token)
+        .expect("start the service's core")
+    }
+
+    /// A generator writing with `writer`, with a listener and settings of
+    /// its own, started apart from the service for a test that puts
+    /// something between it and the database (see [`Apart`]). Its `run` is
+    /// the test's to spawn.
+    pub async fn generator_apart(&self, writer: SharedWriter, apart: Apart) -> GeneratorApart {
+        let pool = apart.pool.unwrap_or_else(|| self.pool.clone());
+        let generator_pool = apart.generator_pool.unwrap_or_else(|| pool.clone());
+        let (hub, stop) = self
+            .listener_on(pool.clone(), ListenerOptions::default())
+            .await;
+        let settings = Arc::new(SettingsCache::new(pool, hub.settings_changed()));
+        let (generator, handle) = Generator::new(
+            generator_pool,
+            writer,
+            settings.clone(),
+            hub.settings_changed(),
+            apart.grace.unwrap_or(Duration::from_secs(5)),
+        );
+        GeneratorApart {
+            hub,
+            stop,
+            settings,
+            generator,
+            handle,
+        }
     }
 
     /// Adds `n` issues titled `issue N` and returns their ids.
@@ -277,25 +332,21 @@ impl TestDb {
         ids
     }
 
-    /// Starts the whole service in-process on a free port, with `writer`.
+    /// Starts the whole service in-process on a free port, with `writer`:
+    /// the plain service every test starts unless it says otherwise.
     pub async fn serve(&self, instance: &str, writer: SharedWriter) -> RunningService {
-        newsnack::serve::start(self.serve_options(instance), writer)
-            .await
-            .expect("start the service")
+        self.serve_with(instance, writer, Setup::default()).await
     }
 
-    /// What [`TestDb::serve`] starts the service with.
-    pub fn serve_options(&self, instance: &str) -> ServeOptions {
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(self.url.clone()),
-            direct_database_url: None,
-            instance: instance.into(),
-            pool_size: 16,
-            grace: Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        }
+    /// Starts the whole service on this database as [`TestDb::serve`] does,
+    /// but for what `setup` changes.
+    pub async fn serve_with(
+        &self,
+        instance: &str,
+        writer: SharedWriter,
+        setup: Setup,
+    ) -> RunningService {
+        start_service(&self.url, instance, writer, setup).await
     }
 
     /// Sets a runtime setting through SQL, as an operator would.
@@ -414,6 +465,83 @@ impl TestDb {
         let client = self.pool.get().await.unwrap();
         client.query_one(sql, &[]).await.unwrap().get(0)
     }
+}
+
+/// What a generator started apart ([`TestDb::generator_apart`]) reaches the
+/// database through; each field left `None` keeps the test database's own
+/// pool and a grace of five seconds.
+#[derive(Default)]
+pub struct Apart {
+    /// Every session of the parts (the listener's reads, the settings, the
+    /// generator's writes) goes through this pool.
+    pub pool: Option<DbPool>,
+    /// Only the generator's sessions go through this pool.
+    pub generator_pool: Option<DbPool>,
+    /// How long a started generation may finish after `stop`.
+    pub grace: Option<Duration>,
+}
+
+/// A generator not yet running, its handle, and the listener and settings
+/// it was started with; cancel `stop` to end them.
+pub struct GeneratorApart {
+    pub hub: TransitionHub,
+    pub stop: CancellationToken,
+    pub settings: Arc<SettingsCache>,
+    pub generator: Generator,
+    pub handle: GeneratorHandle,
+}
+
+/// What a test's service is started with beyond the plain one
+/// ([`TestDb::serve`]); each field left `None` keeps the plain value.
+#[derive(Clone, Debug, Default)]
+pub struct Setup {
+    /// Non-read requests need `Authorization: Bearer <token>`.
+    pub api_token: Option<String>,
+    /// The service's sessions go through this URL (a pooler, a gate)
+    /// instead of the database's own.
+    pub pooled_url: Option<String>,
+    /// A URL that reaches the database directly, for the listener and the
+    /// advisory locks, when `pooled_url` goes through a transaction pooler.
+    pub direct_url: Option<String>,
+    /// The size of the service's pool (16).
+    pub pool_size: Option<usize>,
+    /// How long unfinished generations may finish after shutdown (5 s).
+    pub grace: Option<Duration>,
+    /// Unfinished claims held before new requests are turned away.
+    pub max_backlog: Option<usize>,
+}
+
+impl Setup {
+    /// The options `newsnack serve` gets for instance `instance` on the
+    /// database at `database_url`.
+    pub fn options(self, database_url: &str, instance: &str) -> ServeOptions {
+        ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            database_url: Some(self.pooled_url.unwrap_or_else(|| database_url.to_string())),
+            direct_database_url: self.direct_url,
+            instance: instance.into(),
+            pool_size: self.pool_size.unwrap_or(16),
+            grace: self.grace.unwrap_or(Duration::from_secs(5)),
+            api_token: self.api_token,
+            max_backlog: self
+                .max_backlog
+                .unwrap_or(ServeOptions::DEFAULT_MAX_BACKLOG),
+        }
+    }
+}
+
+/// Starts the whole service in-process on a free port, on the database at
+/// `database_url` (one that is not a [`TestDb`]'s: a TLS server's, one the
+/// test restarts), with `writer` and `setup`.
+pub async fn start_service(
+    database_url: &str,
+    instance: &str,
+    writer: SharedWriter,
+    setup: Setup,
+) -> RunningService {
+    newsnack::serve::start(setup.options(database_url, instance), writer)
+        .await
+        .expect("start the service")
 }
 
 /// Waits until `check` (a query returning one boolean) is true, re-checking
