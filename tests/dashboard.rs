@@ -10,19 +10,13 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 
 use common::gate::Relay;
-use common::{until_sql, within, TestDb};
+use common::{offline, until_sql, within, TestDb};
 use newsnack::db;
 use newsnack::db::pipeline_run::RunRecord;
-use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-
-fn offline() -> SharedWriter {
-    Arc::new(OfflineWriter) as SharedWriter
-}
 
 async fn get(url: &str) -> (reqwest::StatusCode, String, String) {
     let response = reqwest::get(url)

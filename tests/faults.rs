@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use common::audit::{post_wait, Audit, AuditReport, WaitRecord, WaitSpec};
 use common::fake_llm::{FakeLlm, Reply};
+use common::http::post_json;
 use common::process::ServeProcess;
 use common::subscribers::Recording;
 use common::{until_published, until_sql, within, Setup, TestDb};
@@ -93,23 +94,12 @@ fn audit(pool: &DbPool, hub: &TransitionHub) -> Audit {
     }
 }
 
-async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
-    let response = http
-        .post(&url)
-        .json(&body)
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
 /// `POST /ai-articles`, which must claim something.
 async fn request_articles(http: &reqwest::Client, base: &str, ids: &[i64]) -> Value {
-    let (status, body) = post(
+    let (status, body) = post_json(
         http,
-        format!("{base}/ai-articles"),
-        json!({ "issue_ids": ids }),
+        &format!("{base}/ai-articles"),
+        &json!({ "issue_ids": ids }),
     )
     .await;
     assert_eq!(status, 202, "claiming {ids:?}: {body}");
@@ -121,7 +111,12 @@ async fn add_issues_over_http(http: &reqwest::Client, base: &str, n: usize) -> V
     let issues: Vec<Value> = (0..n)
         .map(|i| json!({"title": format!("story {i}"), "body": "Something happened.", "score": i}))
         .collect();
-    let (status, body) = post(http, format!("{base}/issues"), json!({ "issues": issues })).await;
+    let (status, body) = post_json(
+        http,
+        &format!("{base}/issues"),
+        &json!({ "issues": issues }),
+    )
+    .await;
     assert_eq!(status, 201, "{body}");
     serde_json::from_value(body["ids"].clone()).expect("ids")
 }
@@ -260,10 +255,10 @@ async fn postgres_restarted_mid_run_with_waits_open_and_sse_clients_connected() 
 
     let ids = add_issues_over_http(&http, &base, 80).await;
     let poison = {
-        let (status, body) = post(
+        let (status, body) = post_json(
             &http,
-            format!("{base}/issues"),
-            json!({"issues": [{"title": "poison pill"}]}),
+            &format!("{base}/issues"),
+            &json!({"issues": [{"title": "poison pill"}]}),
         )
         .await;
         assert_eq!(status, 201);

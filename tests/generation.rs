@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::gate::DbGate;
+use common::http::metric;
 use common::process::ServeProcess;
 use common::{
     until_sql, until_sql_polled, until_status, within, Apart, GeneratorApart, Setup, TestDb,
@@ -747,18 +748,13 @@ async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerato
 
 /// The service's `newsnack_completions_deferred_total`.
 async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
-    let text = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix("newsnack_completions_deferred_total "))
-        .unwrap_or_else(|| panic!("no newsnack_completions_deferred_total in:\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
+    let base = format!("http://{addr}");
+    metric(
+        &reqwest::Client::new(),
+        &base,
+        "newsnack_completions_deferred_total",
+    )
+    .await
 }
 
 /// An issue whose row another system holds (a transaction editing it with

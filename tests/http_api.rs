@@ -14,19 +14,14 @@ use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use common::{until_sql, until_sql_polled, until_status, within, TestDb};
+use common::{offline, until_sql, until_sql_polled, until_status, within, TestDb};
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
 };
 use newsnack::db::Sql;
-use newsnack::writer::{OfflineWriter, SharedWriter};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
-
-fn offline() -> SharedWriter {
-    Arc::new(OfflineWriter) as SharedWriter
-}
 
 /// Sends one request; returns the status and the body parsed as JSON. Fails
 /// the test if the answer is not JSON (by header and by content), or is a

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{within, TestDb};
+use common::{first_column, within, TestDb};
 use newsnack::events::listener::ListenerOptions;
 use newsnack::settings::SettingsCache;
 
@@ -88,16 +88,12 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
     killing.await.unwrap();
 
     let client = db.pool.get().await.unwrap();
-    let logged: Vec<i64> = client
-        .query(
-            "SELECT seq FROM issue_transition WHERE seq > $1 ORDER BY seq",
-            &[&start_seq],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let logged: Vec<i64> = first_column(
+        &client,
+        "SELECT seq FROM issue_transition WHERE seq > $1 ORDER BY seq",
+        &[&start_seq],
+    )
+    .await;
     let seqs: Vec<i64> = seen.iter().map(|t| t.seq).collect();
     assert_eq!(seqs, logged, "exactly the log, in order, once each");
     assert!(

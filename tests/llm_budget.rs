@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::ServeProcess;
-use common::{until_sql, until_sql_polled, within, TestDb};
+use common::{first_column, until_sql, until_sql_polled, within, TestDb};
 use futures::future::BoxFuture;
 use newsnack::db::llm_budget::{exchange, CallToQueue, Exchange, ExchangeAnswer};
 use newsnack::model::llm::Priority;
@@ -365,16 +365,12 @@ async fn briefing_articles_pass_a_feed_backlog_on_every_instance() {
     until_done(&db, &a.hub, &all).await;
 
     let client = db.raw().await;
-    let granted: Vec<String> = client
-        .query(
-            "SELECT priority FROM llm_call ORDER BY granted_at, priority = 'feed', claim_id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let granted: Vec<String> = first_column(
+        &client,
+        "SELECT priority FROM llm_call ORDER BY granted_at, priority = 'feed', claim_id",
+        &[],
+    )
+    .await;
     assert_eq!(granted.len(), 23, "one call per article: {granted:?}");
     assert_eq!(
         granted[..6],
@@ -874,17 +870,13 @@ async fn bad_budget_and_locale_settings_are_refused_with_the_reason() {
 async fn every_time_zone_the_database_accepts_the_service_knows() {
     let db = TestDb::new().await;
     let client = db.raw().await;
-    let names: Vec<String> = client
-        .query(
-            "SELECT name FROM pg_timezone_names
-              WHERE name !~ '^(posix|right)/' AND name NOT IN ('localtime', 'posixrules', 'Factory')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let names: Vec<String> = first_column(
+        &client,
+        "SELECT name FROM pg_timezone_names
+          WHERE name !~ '^(posix|right)/' AND name NOT IN ('localtime', 'posixrules', 'Factory')",
+        &[],
+    )
+    .await;
     assert!(names.len() > 300, "{}", names.len());
     let unknown: Vec<&String> = names
         .iter()

@@ -11,6 +11,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::Stdio;
 
+use common::http::metric_in;
 use common::process::{self, Output, ServeProcess};
 use common::{within, TestDb};
 use reqwest::StatusCode;
@@ -55,11 +56,7 @@ async fn requests_answered_and_lost_lines_counted(serve: &ServeProcess, ids: &[i
     .text()
     .await
     .unwrap();
-    let dropped: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("newsnack_log_lines_dropped_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no newsnack_log_lines_dropped_total in {metrics}"));
+    let dropped = metric_in(&metrics, "newsnack_log_lines_dropped_total");
     assert!(
         dropped >= 2.0,
         "the requests' log lines were lost: {dropped}"

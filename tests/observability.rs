@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use common::{within, Setup, TestDb};
+use common::{offline, within, Setup, TestDb};
 use futures::future::{BoxFuture, FutureExt};
 use newsnack::events::listener::TransitionHub;
 use newsnack::model::status::Status;
@@ -32,10 +32,6 @@ const TOKEN: &str = "obs-token-4f1c9a7e2b";
 async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
     static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     TURN.lock().await
-}
-
-fn offline() -> SharedWriter {
-    Arc::new(OfflineWriter) as SharedWriter
 }
 
 /// Starts the service with `api_token`.

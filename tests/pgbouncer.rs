@@ -13,6 +13,7 @@ use std::collections::BTreeSet;
 use std::process::{Output, Stdio};
 use std::sync::Arc;
 
+use common::http::post_json;
 use common::pgbouncer::PgBouncer;
 use common::process::{self, text};
 use common::{until_sql_polled, within, Setup, TestDb};
@@ -36,12 +37,6 @@ fn newsnack(url: &str, direct: Option<&str>, args: &[&str]) -> Output {
         command.env("NEWSNACK_DIRECT_DATABASE_URL", direct);
     }
     command.output().expect("run newsnack")
-}
-
-async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
-    let response = http.post(url).json(&body).send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -94,10 +89,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     };
 
     // Issues, then five overlapping claim requests at once.
-    let (status, added) = post(
+    let (status, added) = post_json(
         &http,
-        format!("{base}/issues"),
-        json!({"issues": (0..20).map(|i| json!({"title": format!("issue {i}"), "score": i})).collect::<Vec<_>>()}),
+        &format!("{base}/issues"),
+        &json!({"issues": (0..20).map(|i| json!({"title": format!("issue {i}"), "score": i})).collect::<Vec<_>>()}),
     )
     .await;
     assert_eq!(status, 201, "{added}");
@@ -107,10 +102,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
             let (http, base) = (http.clone(), base.clone());
             let batch: Vec<i64> = ids[r * 3..r * 3 + 8].to_vec();
             tokio::spawn(async move {
-                post(
+                post_json(
                     &http,
-                    format!("{base}/ai-articles"),
-                    json!({"issue_ids": batch}),
+                    &format!("{base}/ai-articles"),
+                    &json!({"issue_ids": batch}),
                 )
                 .await
             })
@@ -135,10 +130,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     );
 
     // A wait answers on the event, long before its deadline.
-    let (status, waited) = post(
+    let (status, waited) = post_json(
         &http,
-        format!("{base}/waits"),
-        json!({"issue_ids": ids, "timeout_s": 300, "min_completion": 20}),
+        &format!("{base}/waits"),
+        &json!({"issue_ids": ids, "timeout_s": 300, "min_completion": 20}),
     )
     .await;
     assert_eq!(status, 200, "{waited}");
@@ -191,7 +186,7 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     let fresh: Vec<_> = (0..5)
         .map(|i| json!({"title": format!("fresh {i}"), "score": 100 + i}))
         .collect();
-    let (status, _) = post(&http, format!("{base}/issues"), json!({"issues": fresh})).await;
+    let (status, _) = post_json(&http, &format!("{base}/issues"), &json!({"issues": fresh})).await;
     assert_eq!(status, 201);
     let run = newsnack(&pooled, Some(&db.url), &["run-pipeline"]);
     assert_eq!(run.status.code(), Some(0), "{}", text(&run.stderr));
@@ -202,10 +197,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
 
     // A schedule set through PgBouncer is heard by the running service:
     // its scheduler runs the new issue's pipeline.
-    let (status, _) = post(
+    let (status, _) = post_json(
         &http,
-        format!("{base}/issues"),
-        json!({"issues": [{"title": "for the schedule", "score": 1000}]}),
+        &format!("{base}/issues"),
+        &json!({"issues": [{"title": "for the schedule", "score": 1000}]}),
     )
     .await;
     assert_eq!(status, 201);

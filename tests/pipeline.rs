@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::process::{self, ServeProcess};
-use common::{until_sql, until_sql_polled, within, Setup, TestDb};
+use common::{first_column, until_sql, until_sql_polled, within, Setup, TestDb};
 use newsnack::briefing::run::Trigger;
 use newsnack::writer::OfflineWriter;
 
@@ -83,19 +83,15 @@ async fn a_run_retries_its_own_targets_only() {
     let db = TestDb::new().await;
     db.set("retry_backoff_ms", "1").await;
     let sql = db.raw().await;
-    let old: Vec<i64> = sql
-        .query(
-            "INSERT INTO issue (title, body, score, collected_at)
+    let old: Vec<i64> = first_column(
+        &sql,
+        "INSERT INTO issue (title, body, score, collected_at)
              SELECT 'Last week ' || g, 'Old news.', 100, now() - interval '7 days'
                FROM generate_series(1, 10) g
              RETURNING id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     db.move_with_sql(&old, &["IN_PROGRESS", "FAILED"]).await;
     let before = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
     let fresh = scored_issues(&db, &[1.0, 2.0, 3.0]).await;
@@ -999,13 +995,7 @@ async fn a_run_whose_last_commit_answer_is_lost_reports_what_it_recorded() {
         .unwrap();
     assert_eq!(run.get::<_, String>(0), "all_pass");
     assert_eq!(run.get::<_, Option<i64>>(1), Some(briefing_id));
-    let briefings: Vec<Vec<i64>> = sql
-        .query("SELECT issue_ids FROM briefing", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let briefings: Vec<Vec<i64>> = first_column(&sql, "SELECT issue_ids FROM briefing", &[]).await;
     assert_eq!(briefings, vec![ids.clone()]);
 }
 

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{within, TestDb};
+use common::{first_column, within, TestDb};
 use newsnack::model::status::Status;
 use tokio_postgres::Client;
 
@@ -32,16 +32,12 @@ async fn until_blocked(observer: &Client, pid: i32) {
 
 /// Reads `seq > last` like a naive follower would.
 async fn read_after(client: &Client, table: &str, last: i64) -> Vec<i64> {
-    client
-        .query(
-            &format!("SELECT seq FROM {table} WHERE seq > $1 ORDER BY seq"),
-            &[&last],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    first_column(
+        &client,
+        &format!("SELECT seq FROM {table} WHERE seq > $1 ORDER BY seq"),
+        &[&last],
+    )
+    .await
 }
 
 #[tokio::test]

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{within, TestDb};
+use common::{first_column, within, TestDb};
 use newsnack::generation::machine::IssueMachine;
 use newsnack::model::status::Status;
 
@@ -578,17 +578,13 @@ async fn migration_11_brings_claims_already_out_of_reach_back() {
         ids.push(id);
     }
     migrate(&mut sql).await.unwrap();
-    let seconds_left: Vec<f64> = sql
-        .query(
-            "SELECT extract(epoch FROM lease_until - now())::float8 FROM issue
+    let seconds_left: Vec<f64> = first_column(
+        &sql,
+        "SELECT extract(epoch FROM lease_until - now())::float8 FROM issue
               WHERE id = ANY($1) ORDER BY id",
-            &[&ids],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[&ids],
+    )
+    .await;
     // The default lease (60 s) for the first three; the sound one kept.
     for (lease, left) in leases.iter().zip(&seconds_left[..3]) {
         assert!((50.0..=70.0).contains(left), "{lease}: {left}");

@@ -8,6 +8,7 @@
 pub mod audit;
 pub mod fake_llm;
 pub mod gate;
+pub mod http;
 pub mod pgbouncer;
 pub mod process;
 pub mod python;
@@ -402,23 +403,31 @@ impl TestDb {
 
     /// The first column of every row of a query, as ids.
     pub async fn ids(&self, sql: &str) -> Vec<i64> {
+        first_column(&self.pool.get().await.unwrap(), sql, &[]).await
+    }
+
+    /// The one row `sql` returns, read through the pool.
+    pub async fn query_one(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> tokio_postgres::Row {
         let client = self.pool.get().await.unwrap();
-        let rows = client.query(sql, &[]).await.unwrap();
-        rows.iter().map(|r| r.get(0)).collect()
+        client
+            .query_one(sql, params)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
     /// The issues `instance` holds `IN_PROGRESS` now: those it strands when
     /// it is killed.
     pub async fn held_by(&self, instance: &str) -> Vec<i64> {
-        let client = self.pool.get().await.unwrap();
-        let rows = client
-            .query(
-                "SELECT id FROM issue WHERE processing_status = 'IN_PROGRESS' AND claimed_by = $1",
-                &[&instance],
-            )
-            .await
-            .unwrap();
-        rows.iter().map(|r| r.get(0)).collect()
+        first_column(
+            &self.pool.get().await.unwrap(),
+            "SELECT id FROM issue WHERE processing_status = 'IN_PROGRESS' AND claimed_by = $1",
+            &[&instance],
+        )
+        .await
     }
 
     /// Asserts that every issue a killed `instance` held came back: through
@@ -452,11 +461,8 @@ impl TestDb {
 
     /// An issue's status, for assertions.
     pub async fn status_of(&self, id: i64) -> String {
-        let client = self.pool.get().await.unwrap();
-        client
-            .query_one("SELECT processing_status FROM issue WHERE id = $1", &[&id])
+        self.query_one("SELECT processing_status FROM issue WHERE id = $1", &[&id])
             .await
-            .unwrap()
             .get(0)
     }
 
@@ -544,38 +550,61 @@ pub async fn start_service(
         .expect("start the service")
 }
 
+/// The writer that needs no LLM, as the service's.
+pub fn offline() -> SharedWriter {
+    Arc::new(OfflineWriter) as SharedWriter
+}
+
+/// The first column of every row `sql` returns.
+pub async fn first_column<T>(
+    client: &Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Vec<T>
+where
+    T: for<'a> tokio_postgres::types::FromSql<'a>,
+{
+    client
+        .query(sql, params)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
 /// Waits until `check` (a query returning one boolean) is true, re-checking
 /// whenever a transition is announced. Fails after `secs` seconds.
 pub async fn until_sql(db: &TestDb, hub: &TransitionHub, secs: u64, sql: &str) {
-    let mut live = hub.subscribe();
-    within(secs, sql, async {
-        loop {
-            let client = db.pool.get().await.unwrap();
-            let done: bool = client.query_one(sql, &[]).await.unwrap().get(0);
-            drop(client);
-            if done {
-                return;
-            }
-            // Re-check on the next transition (or a lag notice).
-            let _ = live.recv().await;
-        }
-    })
-    .await
+    until_true(db, secs, sql, Some(hub.subscribe())).await
 }
 
 /// Waits until `check` (a query returning one boolean) is true, asking
 /// every 50 ms: for a state no transition announces (a lock taken, a
 /// session opened). Fails after `secs` seconds.
 pub async fn until_sql_polled(db: &TestDb, secs: u64, sql: &str) {
+    until_true::<()>(db, secs, sql, None).await
+}
+
+/// Asks `sql` (one boolean) until it is true: again on the next message of
+/// `live` (or a lag notice), or after 50 ms without one. Fails after
+/// `secs` seconds.
+async fn until_true<T: Clone>(
+    db: &TestDb,
+    secs: u64,
+    sql: &str,
+    mut live: Option<tokio::sync::broadcast::Receiver<T>>,
+) {
     within(secs, sql, async {
         loop {
-            let client = db.pool.get().await.unwrap();
-            let done: bool = client.query_one(sql, &[]).await.unwrap().get(0);
-            drop(client);
+            let done: bool = db.query_one(sql, &[]).await.get(0);
             if done {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            match live.as_mut() {
+                Some(live) => drop(live.recv().await),
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
         }
     })
     .await
@@ -636,16 +665,12 @@ pub async fn rows_read_for_real(client: &Client, table: &str, statement: &str) -
 /// indexes, every loop counted: from `EXPLAIN (ANALYZE, FORMAT JSON)`, so
 /// run for real, inside a transaction that is rolled back.
 pub async fn rows_read(client: &Client, table: &str, statement: &str) -> f64 {
-    let indexes: Vec<String> = client
-        .query(
-            "SELECT indexname::text FROM pg_indexes WHERE tablename = $1",
-            &[&table],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let indexes: Vec<String> = first_column(
+        &client,
+        "SELECT indexname::text FROM pg_indexes WHERE tablename = $1",
+        &[&table],
+    )
+    .await;
     client.batch_execute("BEGIN").await.unwrap();
     let plan: serde_json::Value = client
         .query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {statement}"), &[])
