@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use common::gate::Relay;
+use common::http::post_json;
 use common::{offline, until_sql, within, TestDb};
 use newsnack::db;
 use newsnack::db::pipeline_run::RunRecord;
@@ -365,15 +366,12 @@ async fn a_headless_browser_sees_a_raw_sql_change_without_a_reload() {
         "SELECT count(*) = 2 FROM issue WHERE processing_status = 'DONE'",
     )
     .await;
-    let assembled: Value = http
-        .post(format!("{base}/today-newsnack"))
-        .json(&json!({ "issue_ids": [ids[4], ids[3]] }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, assembled) = post_json(
+        &http,
+        &format!("{base}/today-newsnack"),
+        &json!({ "issue_ids": [ids[4], ids[3]] }),
+    )
+    .await;
     let briefing_id = assembled["briefing_id"].as_i64().expect("a briefing");
     let run_id = db::pipeline_run::start(&client, "manual", None, "dash-browser", &json!({}))
         .await

@@ -926,17 +926,12 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
 
     until_status(&db, &hub, 30, id, "DONE").await;
     let row = db
-        .pool
-        .get()
-        .await
-        .unwrap()
         .query_one(
             "SELECT attempts, (SELECT count(*) FROM ai_article WHERE issue_id = $1)
                FROM issue WHERE id = $1",
             &[&id],
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(row.get::<_, i32>(0), 1, "recorded within the first attempt");
     assert_eq!(row.get::<_, i64>(1), 1, "exactly one article");
     stop.cancel();
@@ -988,17 +983,12 @@ async fn a_claim_taken_under_a_shorter_lease_is_beaten_before_it_runs_out() {
     )
     .await;
     let row = db
-        .pool
-        .get()
-        .await
-        .unwrap()
         .query_one(
             "SELECT processing_status, claim_id, lease_until - interval '600 seconds'
                FROM issue WHERE id = $1",
             &[&id],
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(row.get::<_, String>(0), "IN_PROGRESS");
     assert_eq!(row.get::<_, i64>(1), claim_id);
     let beaten_at: time::OffsetDateTime = row.get(2);

@@ -31,19 +31,7 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
     let mut live = hub.subscribe();
 
     // Another system claims every issue, one transaction each.
-    let writer = db.raw().await;
-    let writing = tokio::spawn(async move {
-        for id in ids {
-            writer
-                .execute(
-                    "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
-                    &[&id],
-                )
-                .await
-                .unwrap();
-            tokio::task::yield_now().await;
-        }
-    });
+    let writing = db.claim_one_by_one(ids).await;
 
     // Meanwhile the listener's backend is terminated, again and again.
     let killer_db = db.raw().await;
@@ -214,20 +202,9 @@ async fn transitions_committed_during_an_outage_arrive_without_another_one() {
     let ids = db.add_issues(3).await;
     let (hub, stop) = db.listener_with(quick_reconnects()).await;
     let writer = db.raw().await;
-    let admin = db.maintenance().await;
-    let admit =
-        |allowed: bool| format!("ALTER DATABASE \"{}\" ALLOW_CONNECTIONS {allowed}", db.name);
     // The listener loses its session and cannot get a new one.
-    admin.batch_execute(&admit(false)).await.unwrap();
     let mut status = hub.status();
-    let pid = status
-        .borrow()
-        .backend_pid
-        .expect("the listener is connected");
-    admin
-        .execute("SELECT pg_terminate_backend($1)", &[&pid])
-        .await
-        .unwrap();
+    db.cut_off_listener(&hub).await;
     within(
         20,
         "the listener to notice",
@@ -244,7 +221,7 @@ async fn transitions_committed_during_an_outage_arrive_without_another_one() {
         .await
         .unwrap();
     // Back, and then nothing more happens.
-    admin.batch_execute(&admit(true)).await.unwrap();
+    db.admit_sessions(true).await;
     let after = within(
         30,
         "the outage's transitions to be published",

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::http::get_json;
 use common::process::ServeProcess;
 use common::{first_column, until_sql, until_sql_polled, within, TestDb};
 use futures::future::BoxFuture;
@@ -658,12 +659,11 @@ async fn no_call_reaches_the_llm_during_a_pause_and_the_paused_attempt_is_not_co
         value("newsnack_llm_paused_until_seconds") > 0.0,
         "{metrics}"
     );
-    let dashboard: Value = reqwest::get(format!("http://{}/dashboard.json", services[2].addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let dashboard: Value = get_json(
+        &reqwest::Client::new(),
+        &format!("http://{}/dashboard.json", services[2].addr),
+    )
+    .await;
     let pause = &dashboard["llm"]["pause"];
     assert!(pause["reason"].as_str().unwrap().contains("429"), "{pause}");
     assert_eq!(pause["active"], false, "over by now: {pause}");
@@ -725,12 +725,11 @@ async fn tokens_are_stored_as_the_api_reported_them() {
         .await
         .unwrap();
     assert_eq!(briefing.status(), 201);
-    let dashboard: Value = reqwest::get(format!("http://{}/dashboard.json", service.addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let dashboard: Value = get_json(
+        &reqwest::Client::new(),
+        &format!("http://{}/dashboard.json", service.addr),
+    )
+    .await;
     let llm = &dashboard["llm"];
     assert_eq!(
         llm["tokens_today"],

@@ -12,6 +12,7 @@ use std::process::Output;
 use std::sync::Arc;
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::http::get_json;
 use common::process::{self, ServeProcess};
 use common::{first_column, until_sql, until_sql_polled, within, Setup, TestDb};
 use newsnack::briefing::run::Trigger;
@@ -372,14 +373,7 @@ async fn today_newsnack_uses_exactly_the_given_ids_or_says_which_are_not_done() 
     assert_eq!(made.status(), 201);
     let made: serde_json::Value = made.json().await.unwrap();
     assert_eq!(made["issue_ids"], serde_json::json!([ids[2], ids[0]]));
-    let latest: serde_json::Value = http
-        .get(format!("{base}/briefings/latest"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let latest: serde_json::Value = get_json(&http, &format!("{base}/briefings/latest")).await;
     assert_eq!(latest["id"], made["briefing_id"]);
     let doc = latest["body"].as_str().unwrap();
     assert!(doc.contains("Story scored 3") && doc.contains("Story scored 1"));
@@ -1061,17 +1055,12 @@ async fn a_scheduled_run_stopped_by_a_shutdown_publishes_what_was_done() {
     .await;
     service.stop().await.unwrap();
     let row = db
-        .pool
-        .get()
-        .await
-        .unwrap()
         .query_one(
             "SELECT r.outcome, r.completed, b.issue_ids
                FROM pipeline_run r LEFT JOIN briefing b ON b.id = r.briefing_id",
             &[],
         )
-        .await
-        .unwrap();
+        .await;
     let hottest_three: Vec<i64> = ids[2..].iter().rev().copied().collect();
     assert_eq!(row.get::<_, String>(0), "timeout_pass");
     assert_eq!(row.get::<_, Vec<i64>>(1), hottest_three);

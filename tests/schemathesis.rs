@@ -29,6 +29,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
+use common::http::get_json;
 use common::{process, until_status, Setup, TestDb};
 use newsnack::writer::OfflineWriter;
 use serde_json::json;
@@ -128,7 +129,7 @@ async fn the_openapi_document_holds_against_schemathesis() {
     let url = format!("http://{}/openapi.json", service.addr);
 
     // A document Schemathesis can read, with the bearer scheme on writes.
-    let doc: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+    let doc: serde_json::Value = get_json(&reqwest::Client::new(), &url).await;
     assert_eq!(
         doc["paths"]["/ai-articles"]["post"]["security"],
         json!([{ "bearer": [] }])

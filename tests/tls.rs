@@ -12,6 +12,7 @@ mod common;
 use std::process::Output;
 use std::sync::Arc;
 
+use common::http::{get_json, post_json};
 use common::process::{self, text};
 use common::subscribers::Recording;
 use common::tls::{self, TlsCluster};
@@ -62,14 +63,7 @@ async fn the_whole_service_runs_over_verify_full_against_a_tls_only_server() {
     let service = common::start_service(&url, "tls", Arc::new(OfflineWriter), small_pool).await;
     let base = format!("http://{}", service.addr);
     let http = reqwest::Client::new();
-    let ready: Value = http
-        .get(format!("{base}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: Value = get_json(&http, &format!("{base}/readyz")).await;
     let verified = json!({ "encrypted": true, "verified": "chain_and_host" });
     assert_eq!(
         ready["sessions"],
@@ -85,15 +79,12 @@ async fn the_whole_service_runs_over_verify_full_against_a_tls_only_server() {
     let issues: Vec<Value> = (0..5)
         .map(|i| json!({"title": format!("issue {i}")}))
         .collect();
-    let added: Value = http
-        .post(format!("{base}/issues"))
-        .json(&json!({ "issues": issues }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, added) = post_json(
+        &http,
+        &format!("{base}/issues"),
+        &json!({ "issues": issues }),
+    )
+    .await;
     let claim = http
         .post(format!("{base}/ai-articles"))
         .json(&json!({ "issue_ids": added["ids"] }))
@@ -101,15 +92,12 @@ async fn the_whole_service_runs_over_verify_full_against_a_tls_only_server() {
         .await
         .unwrap();
     assert_eq!(claim.status(), 202);
-    let waited: Value = http
-        .post(format!("{base}/waits"))
-        .json(&json!({ "issue_ids": added["ids"], "timeout_s": 300 }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, waited) = post_json(
+        &http,
+        &format!("{base}/waits"),
+        &json!({ "issue_ids": added["ids"], "timeout_s": 300 }),
+    )
+    .await;
     assert_eq!(waited["outcome"], "all_pass", "{waited}");
     assert_eq!(waited["completed"], added["ids"]);
     // 5 new, 5 claimed, 5 done: the tail saw all 15, in order, once each.

@@ -131,23 +131,8 @@ async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip(
     let (hub, stop) = db.listener().await;
     // A session in the pool for the wait's reads, opened while it still can.
     drop(hub.pool().get().await.unwrap());
-    let name: String = sql
-        .query_one("SELECT current_database()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let admit = |allowed: bool| format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS {allowed}");
-    // A database's own sessions cannot close it to new ones.
-    let admin = db.maintenance().await;
-    admin.batch_execute(&admit(false)).await.unwrap();
     let mut status = hub.status();
-    let pid = status
-        .borrow()
-        .backend_pid
-        .expect("the listener is connected");
-    sql.query_one("SELECT pg_terminate_backend($1)", &[&pid])
-        .await
-        .unwrap();
+    let pid = db.cut_off_listener(&hub).await;
     within(20, "the listener to notice", async {
         status
             .wait_for(|s| s.backend_pid != Some(pid))
@@ -164,7 +149,7 @@ async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip(
         set_status(&sql, id, "DONE").await;
     }
     let report = within(30, "the deadline", armed.outcome(&CancellationToken::new())).await;
-    admin.batch_execute(&admit(true)).await.unwrap();
+    db.admit_sessions(true).await;
     let report = report.unwrap();
     assert_eq!(report.outcome, WaitOutcome::AllPass, "{report:?}");
     assert_eq!(report.completed, ids);

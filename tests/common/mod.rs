@@ -238,6 +238,38 @@ impl TestDb {
         client
     }
 
+    /// Lets new sessions into this database, or turns them away (from the
+    /// maintenance database: a database's own sessions cannot close it to
+    /// new ones).
+    pub async fn admit_sessions(&self, allowed: bool) {
+        self.maintenance()
+            .await
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" ALLOW_CONNECTIONS {allowed}",
+                self.name
+            ))
+            .await
+            .unwrap();
+    }
+
+    /// Cuts the listener of `hub` off: no new session is let into this
+    /// database, and the listener's own session is ended. Returns that
+    /// session's pid; [`TestDb::admit_sessions`] lets it back.
+    pub async fn cut_off_listener(&self, hub: &TransitionHub) -> i32 {
+        self.admit_sessions(false).await;
+        let pid = hub
+            .status()
+            .borrow()
+            .backend_pid
+            .expect("the listener is connected");
+        self.maintenance()
+            .await
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .unwrap();
+        pid
+    }
+
     /// Starts a listener; cancel the token to stop it.
     pub async fn listener(&self) -> (TransitionHub, CancellationToken) {
         self.listener_with(ListenerOptions::default()).await
@@ -371,6 +403,24 @@ impl TestDb {
                 .await
                 .unwrap();
         }
+    }
+
+    /// Another system claims each of `ids` with raw SQL, one transaction
+    /// each, in a task of its own that yields between them.
+    pub async fn claim_one_by_one(&self, ids: Vec<i64>) -> tokio::task::JoinHandle<()> {
+        let writer = self.raw().await;
+        tokio::spawn(async move {
+            for id in ids {
+                writer
+                    .execute(
+                        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+                        &[&id],
+                    )
+                    .await
+                    .unwrap();
+                tokio::task::yield_now().await;
+            }
+        })
     }
 
     /// Turns on `pg_stat_statements` in this database (the cluster preloads
