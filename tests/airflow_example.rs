@@ -18,10 +18,9 @@ mod common;
 use std::process::{Output, Stdio};
 use std::sync::Arc;
 
+use common::writers::FatalFor;
 use common::{within, Setup, TestDb};
-use futures::future::{BoxFuture, FutureExt};
 use newsnack::serve::RunningService;
-use newsnack::writer::{Article, IssueText, OfflineWriter, WriteError, WriteErrorKind, Writer};
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 
@@ -31,29 +30,13 @@ const SCRIPT: &str = concat!(
     "/examples/airflow/run_briefing.py"
 );
 
-/// Writes offline articles, except for issues whose title starts with
-/// `refuse`: those fail with a fatal error (no automatic retry), so a wait
-/// on them settles at once instead of at its deadline.
-struct RefusingWriter;
-
-impl Writer for RefusingWriter {
-    fn name(&self) -> &str {
-        "refusing"
-    }
-
-    fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>> {
-        async move {
-            if issue.title.starts_with("refuse") {
-                return Err(WriteError::fatal(
-                    WriteErrorKind::BadRequest,
-                    "the model refused this issue",
-                ));
-            }
-            OfflineWriter.write(issue).await
-        }
-        .boxed()
-    }
-}
+/// Offline articles, except for issues whose title starts with `refuse`:
+/// those fail for good at once.
+const REFUSING: FatalFor = FatalFor {
+    name: "refusing",
+    prefix: "refuse",
+    message: "the model refused this issue",
+};
 
 async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
     let setup = Setup {
@@ -61,7 +44,7 @@ async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
         api_token: token.map(str::to_string),
         ..Setup::default()
     };
-    db.serve_with("airflow-example", Arc::new(RefusingWriter), setup)
+    db.serve_with("airflow-example", Arc::new(REFUSING), setup)
         .await
 }
 

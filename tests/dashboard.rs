@@ -13,7 +13,7 @@ use std::process::Stdio;
 
 use common::gate::Relay;
 use common::http::post_json;
-use common::{offline, until_sql, within, TestDb};
+use common::{offline, until_done_count, within, TestDb};
 use newsnack::db;
 use newsnack::db::pipeline_run::RunRecord;
 use serde_json::{json, Value};
@@ -359,13 +359,7 @@ async fn a_headless_browser_sees_a_raw_sql_change_without_a_reload() {
         .await
         .unwrap();
     assert_eq!(claimed.status(), 202);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        "SELECT count(*) = 2 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &service.hub, 30, 2).await;
     let (_, assembled) = post_json(
         &http,
         &format!("{base}/today-newsnack"),

@@ -24,7 +24,7 @@ use common::fake_llm::{FakeLlm, Reply};
 use common::http::post_json;
 use common::process::ServeProcess;
 use common::subscribers::Recording;
-use common::{until_published, until_sql, within, Setup, TestDb};
+use common::{until_done_count, until_published, until_sql, within, Setup, TestDb};
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::events::listener::{Listener, ListenerOptions, ListenerStatus, TransitionHub};
@@ -531,19 +531,7 @@ async fn one_of_three_serve_processes_sigkilled_then_restarted() {
     request_articles(&http, &victim.base_url(), &ids[..60]).await;
     request_articles(&http, &alpha.base_url(), &ids[60..90]).await;
     request_articles(&http, &beta.base_url(), &ids[90..]).await;
-    until_sql(
-        &db,
-        &hub,
-        60,
-        "SELECT count(*) >= 4 FROM issue WHERE processing_status = 'DONE' AND claimed_by = 'victim'",
-    )
-    .await;
-    victim.kill();
-    let stranded = db.held_by("victim").await;
-    assert!(
-        !stranded.is_empty(),
-        "the kill must catch the victim mid-generation"
-    );
+    let stranded = db.kill_mid_generation(&hub, &mut victim, 4).await;
 
     let mut victim = spawn("victim");
     let late = db.add_issues(20).await;
@@ -1095,13 +1083,7 @@ async fn the_audit_finds_a_subscriber_that_loses_or_repeats_events() {
         &ids,
     )
     .await;
-    until_sql(
-        &db,
-        &hub,
-        30,
-        "SELECT count(*) = 30 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &hub, 30, 30).await;
     let newest = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
     until_published(&hub, newest).await;
 

@@ -14,7 +14,8 @@ use common::gate::DbGate;
 use common::http::metric;
 use common::process::ServeProcess;
 use common::{
-    until_sql, until_sql_polled, until_status, within, Apart, GeneratorApart, Setup, TestDb,
+    until_done_count, until_sql, until_sql_polled, until_status, within, Apart, GeneratorApart,
+    Setup, TestDb,
 };
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use tokio::sync::watch;
@@ -69,13 +70,7 @@ async fn two_hundred_issues_with_transient_failures_all_end_done_once() {
         assert_eq!(status, 202, "{body}");
         assert_eq!(body["claimed"].as_array().unwrap().len(), 50);
     }
-    until_sql(
-        &db,
-        &service.hub,
-        120,
-        "SELECT count(*) = 200 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &service.hub, 120, 200).await;
     assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 200);
     assert_eq!(
         db.scalar_i64("SELECT count(DISTINCT issue_id) FROM ai_article")
@@ -451,27 +446,9 @@ async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
     let (status, _) = post_ids(&http, survivor.addr, &ids[60..]).await;
     assert_eq!(status, 202);
     // Kill the victim while it is mid-generation.
-    until_sql(
-        &db,
-        &hub,
-        60,
-        "SELECT count(*) >= 5 FROM issue WHERE processing_status = 'DONE' AND claimed_by = 'victim'",
-    )
-    .await;
-    victim.kill();
-    let stranded = db.held_by("victim").await;
-    assert!(
-        !stranded.is_empty(),
-        "the kill must catch the victim mid-generation"
-    );
+    let stranded = db.kill_mid_generation(&hub, &mut victim, 5).await;
 
-    until_sql(
-        &db,
-        &hub,
-        90,
-        "SELECT count(*) = 100 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &hub, 90, 100).await;
     assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 100);
     assert_eq!(
         db.scalar_i64("SELECT count(DISTINCT issue_id) FROM ai_article")

@@ -14,7 +14,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use common::{offline, until_sql, until_sql_polled, until_status, within, TestDb};
+use common::{
+    offline, until_done_count, until_sql, until_sql_polled, until_status, within, TestDb,
+};
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
 };
@@ -1456,13 +1458,7 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     // after they commit: ask until an answer needs no statement at all.
     let (status, _) = post(ids[..3].to_vec()).await;
     assert_eq!(status, StatusCode::ACCEPTED);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        "SELECT count(*) = 4 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &service.hub, 30, 4).await;
     within(30, "a claim answered from what the service knows", async {
         loop {
             let before = claim_path_statements(&db).await.0;
@@ -1525,13 +1521,7 @@ async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
     let (status, answer) = post(ids.clone()).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
     for (remove, add_again) in removals {
-        until_sql(
-            &db,
-            &service.hub,
-            30,
-            "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
-        )
-        .await;
+        until_done_count(&db, &service.hub, 30, 3).await;
         // Known DONE by now, from the listener.
         within(30, "the service to know the issues DONE", async {
             let mut published = service.hub.status();

@@ -14,14 +14,13 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use common::writers::FatalFor;
 use common::{offline, within, Setup, TestDb};
 use futures::future::{BoxFuture, FutureExt};
 use newsnack::events::listener::TransitionHub;
 use newsnack::model::status::Status;
 use newsnack::serve::RunningService;
-use newsnack::writer::{
-    Article, IssueText, OfflineWriter, SharedWriter, WriteError, WriteErrorKind, Writer,
-};
+use newsnack::writer::{Article, IssueText, SharedWriter, WriteError, Writer};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Semaphore};
@@ -562,17 +561,17 @@ impl Writer for ScriptedWriter {
 
     fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>> {
         async move {
-            if issue.title.starts_with("fatal") {
-                return Err(WriteError::fatal(
-                    WriteErrorKind::BadRequest,
-                    "scripted failure",
-                ));
-            }
             if issue.title.starts_with("hold") {
                 let _ = self.entered.send(issue.id);
                 self.release.acquire().await.unwrap().forget();
             }
-            OfflineWriter.write(issue).await
+            FatalFor {
+                name: "scripted",
+                prefix: "fatal",
+                message: "scripted failure",
+            }
+            .write(issue)
+            .await
         }
         .boxed()
     }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use common::fake_llm::{FakeLlm, Reply};
 use common::http::get_json;
 use common::process::{self, ServeProcess};
-use common::{first_column, until_sql, until_sql_polled, within, Setup, TestDb};
+use common::{first_column, until_done_count, until_sql, until_sql_polled, within, Setup, TestDb};
 use newsnack::briefing::run::Trigger;
 use newsnack::writer::OfflineWriter;
 
@@ -326,13 +326,7 @@ async fn today_newsnack_uses_exactly_the_given_ids_or_says_which_are_not_done() 
         .await
         .unwrap();
     assert_eq!(claimed.status(), 202);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &service.hub, 30, 3).await;
 
     let conflict = http
         .post(format!("{base}/today-newsnack"))

@@ -14,6 +14,7 @@ pub mod process;
 pub mod python;
 pub mod subscribers;
 pub mod tls;
+pub mod writers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -480,6 +481,33 @@ impl TestDb {
         .await
     }
 
+    /// SIGKILLs `victim` once it has finished `done` issues, while it is
+    /// still generating others, and returns the issues it stranded.
+    pub async fn kill_mid_generation(
+        &self,
+        hub: &TransitionHub,
+        victim: &mut process::ServeProcess,
+        done: i64,
+    ) -> Vec<i64> {
+        until_sql(
+            self,
+            hub,
+            60,
+            &format!(
+                "SELECT count(*) >= {done} FROM issue WHERE processing_status = 'DONE' AND claimed_by = '{}'",
+                victim.name
+            ),
+        )
+        .await;
+        victim.kill();
+        let stranded = self.held_by(&victim.name).await;
+        assert!(
+            !stranded.is_empty(),
+            "the kill must catch the victim mid-generation"
+        );
+        stranded
+    }
+
     /// Asserts that every issue a killed `instance` held came back: through
     /// the lease reaper ("lease expired"), or finished by its own completion
     /// (a statement already on the server when the process died still
@@ -667,6 +695,17 @@ pub async fn until_status(db: &TestDb, hub: &TransitionHub, secs: u64, id: i64, 
         hub,
         secs,
         &format!("SELECT processing_status = '{status}' FROM issue WHERE id = {id}"),
+    )
+    .await
+}
+
+/// Waits until exactly `n` issues are `DONE` (see [`until_sql`]).
+pub async fn until_done_count(db: &TestDb, hub: &TransitionHub, secs: u64, n: usize) {
+    until_sql(
+        db,
+        hub,
+        secs,
+        &format!("SELECT count(*) = {n} FROM issue WHERE processing_status = 'DONE'"),
     )
     .await
 }
