@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{first_column, within, TestDb};
+use common::{first_column, refusal, within, TestDb};
 use newsnack::events::listener::ListenerOptions;
 use newsnack::settings::SettingsCache;
 
@@ -166,24 +166,14 @@ async fn settings_changes_are_announced_to_the_hub() {
     within(10, "the settings notification", changes.changed())
         .await
         .unwrap();
-    let bad = sql
-        .execute("UPDATE setting SET value='zero' WHERE key='top_k'", &[])
-        .await
-        .unwrap_err();
-    assert!(bad
-        .as_db_error()
-        .unwrap()
-        .message()
-        .contains("whole number"));
-    let unknown = sql
-        .execute("INSERT INTO setting (key, value) VALUES ('nope', '1')", &[])
-        .await
-        .unwrap_err();
-    assert!(unknown
-        .as_db_error()
-        .unwrap()
-        .message()
-        .contains("unknown setting"));
+    let bad = refusal(&sql, "UPDATE setting SET value='zero' WHERE key='top_k'").await;
+    assert!(bad.contains("whole number"));
+    let unknown = refusal(
+        &sql,
+        "INSERT INTO setting (key, value) VALUES ('nope', '1')",
+    )
+    .await;
+    assert!(unknown.contains("unknown setting"));
     assert_eq!(
         db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'")
             .await,

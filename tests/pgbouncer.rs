@@ -11,13 +11,11 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::process::{Output, Stdio};
-use std::sync::Arc;
 
 use common::http::post_json;
 use common::pgbouncer::PgBouncer;
 use common::process::{self, text};
-use common::{until_sql_polled, within, Setup, TestDb};
-use newsnack::writer::OfflineWriter;
+use common::{offline, until_sql_polled, within, Setup, TestDb};
 use serde_json::{json, Value};
 
 async fn bouncer_for(db: &TestDb) -> PgBouncer {
@@ -46,17 +44,8 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     db.set("lease_s", "2").await;
     let bouncer = bouncer_for(&db).await;
     let pooled = bouncer.url("postgres", &db.name);
-    let service = db
-        .serve_with(
-            "bounced",
-            Arc::new(OfflineWriter),
-            Setup {
-                pooled_url: Some(pooled.clone()),
-                direct_url: Some(db.url.clone()),
-                ..Setup::default()
-            },
-        )
-        .await;
+    let setup = Setup::through_pooler(&pooled, Some(&db.url));
+    let service = db.serve_with("bounced", offline(), setup).await;
     let base = format!("http://{}", service.addr);
     let http = reqwest::Client::new();
     let ready = http.get(format!("{base}/readyz")).send().await.unwrap();
@@ -233,17 +222,8 @@ async fn without_the_direct_url_the_service_is_not_ready_and_says_why() {
     let bouncer = bouncer_for(&db).await;
     let pooled = bouncer.url("postgres", &db.name);
     // Serve starts, and says what is wrong.
-    let service = db
-        .serve_with(
-            "misconfigured",
-            Arc::new(OfflineWriter),
-            Setup {
-                pooled_url: Some(pooled.clone()),
-                direct_url: None,
-                ..Setup::default()
-            },
-        )
-        .await;
+    let setup = Setup::through_pooler(&pooled, None);
+    let service = db.serve_with("misconfigured", offline(), setup).await;
     let ready = reqwest::get(format!("http://{}/readyz", service.addr))
         .await
         .unwrap();

@@ -14,7 +14,9 @@ use std::sync::Arc;
 use common::fake_llm::{FakeLlm, Reply};
 use common::http::get_json;
 use common::process::{self, ServeProcess};
-use common::{first_column, until_done_count, until_sql, until_sql_polled, within, Setup, TestDb};
+use common::{
+    first_column, refusal, until_done_count, until_sql, until_sql_polled, within, Setup, TestDb,
+};
 use newsnack::briefing::run::Trigger;
 use newsnack::writer::OfflineWriter;
 
@@ -413,18 +415,12 @@ async fn a_setting_changed_with_sql_changes_the_next_scheduled_run() {
     )
     .await
     .unwrap();
-    let bad = sql
-        .execute(
-            "UPDATE setting SET value = 'whenever' WHERE key = 'schedule'",
-            &[],
-        )
-        .await
-        .unwrap_err();
-    assert!(bad
-        .as_db_error()
-        .unwrap()
-        .message()
-        .contains("cron expression"));
+    let bad = refusal(
+        &sql,
+        "UPDATE setting SET value = 'whenever' WHERE key = 'schedule'",
+    )
+    .await;
+    assert!(bad.contains("cron expression"));
     service.stop().await.unwrap();
 }
 

@@ -27,11 +27,9 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 
 use common::http::get_json;
-use common::{process, until_status, Setup, TestDb};
-use newsnack::writer::OfflineWriter;
+use common::{offline, process, until_status, Setup, TestDb};
 use serde_json::json;
 
 /// The Schemathesis release the suite is checked against.
@@ -79,14 +77,7 @@ fn schemathesis() -> PathBuf {
 /// issue failed with its error, issues pending.
 async fn service_with_data(db: &TestDb) -> newsnack::serve::RunningService {
     let service = db
-        .serve_with(
-            "schemathesis",
-            Arc::new(OfflineWriter),
-            Setup {
-                api_token: Some(TOKEN.into()),
-                ..Setup::default()
-            },
-        )
+        .serve_with("schemathesis", offline(), Setup::with_token(TOKEN))
         .await;
     // Waits that name no timeout last the setting's, not ten minutes.
     db.set("content_gen_timeout_s", "2").await;

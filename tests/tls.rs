@@ -223,16 +223,7 @@ async fn a_client_certificate_logs_in_where_pg_hba_asks_for_one() {
         .connect()
         .await
         .unwrap();
-    admin
-        .batch_execute(
-            "DO $$ BEGIN
-                 IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'certuser') THEN
-                     CREATE ROLE certuser LOGIN;
-                 END IF;
-             END $$",
-        )
-        .await
-        .unwrap();
+    common::login_role(&admin, "certuser").await;
     let (cert, key) = cluster.client_cert();
     let as_certuser = |extra: String| {
         format!(

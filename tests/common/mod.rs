@@ -596,6 +596,25 @@ pub struct Setup {
 }
 
 impl Setup {
+    /// The service's sessions go through the pooler at `pooled_url`; the
+    /// listener's and the locks' through `direct_url` (`None`: the pooled
+    /// URL serves both, as a misconfigured service would have it).
+    pub fn through_pooler(pooled_url: &str, direct_url: Option<&str>) -> Setup {
+        Setup {
+            pooled_url: Some(pooled_url.to_string()),
+            direct_url: direct_url.map(str::to_string),
+            ..Setup::default()
+        }
+    }
+
+    /// Non-read requests need `Authorization: Bearer <token>`.
+    pub fn with_token(token: &str) -> Setup {
+        Setup {
+            api_token: Some(token.to_string()),
+            ..Setup::default()
+        }
+    }
+
     /// The options `newsnack serve` gets for instance `instance` on the
     /// database at `database_url`.
     pub fn options(self, database_url: &str, instance: &str) -> ServeOptions {
@@ -649,6 +668,33 @@ where
         .iter()
         .map(|row| row.get(0))
         .collect()
+}
+
+/// The message the database refuses `sql` with; fails if it runs.
+pub async fn refusal(client: &Client, sql: &str) -> String {
+    let err = client
+        .execute(sql, &[])
+        .await
+        .expect_err(&format!("refused: {sql}"));
+    err.as_db_error()
+        .unwrap_or_else(|| panic!("{sql}: not refused by the database: {err}"))
+        .message()
+        .to_string()
+}
+
+/// Creates the login role `role` unless it exists (roles are the
+/// server's, shared by every test database).
+pub async fn login_role(client: &Client, role: &str) {
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+                 IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN
+                     CREATE ROLE {role} LOGIN;
+                 END IF;
+             END $$"
+        ))
+        .await
+        .unwrap();
 }
 
 /// Waits until `check` (a query returning one boolean) is true, re-checking
