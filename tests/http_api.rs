@@ -10,12 +10,12 @@
 mod common;
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use common::http::{answer, json_body, request};
 use common::{
-    offline, until_done_count, until_sql, until_sql_polled, until_status, within, TestDb,
+    offline, until_done_count, until_sql, until_sql_polled, until_status, within, LogSink, TestDb,
 };
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
@@ -35,20 +35,13 @@ async fn send(
     content_type: Option<&str>,
     body: Option<Vec<u8>>,
 ) -> (StatusCode, Value) {
-    let mut request = http.request(method.clone(), url);
-    if let Some(content_type) = content_type {
-        request = request.header(reqwest::header::CONTENT_TYPE, content_type);
-    }
+    let content_type = content_type.map(|value| (reqwest::header::CONTENT_TYPE, value));
+    let mut request = request(http, &method, url, content_type);
     if let Some(body) = body {
         request = request.body(body);
     }
-    let response = request
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{method} {url}: no response: {e}"));
-    let status = response.status();
-    let content_type = response
-        .headers()
+    let (status, headers, text) = answer(request, &method, url).await;
+    let content_type = headers
         .get(reqwest::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
@@ -59,15 +52,11 @@ async fn send(
     );
     if status == StatusCode::METHOD_NOT_ALLOWED {
         assert!(
-            response.headers().contains_key(reqwest::header::ALLOW),
+            headers.contains_key(reqwest::header::ALLOW),
             "{method} {url}: 405 without Allow"
         );
     }
-    let text = response.text().await.unwrap();
-    let value = serde_json::from_str(&text).unwrap_or_else(|e| {
-        panic!("{method} {url} answered {status} with non-JSON ({e}): {text:?}")
-    });
-    (status, value)
+    (status, json_body(&text, &method, url, status))
 }
 
 /// Everything a request could have changed: row counts, the log's end, and
@@ -439,21 +428,11 @@ fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
     static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
     LOGS.get_or_init(|| {
         let buffer = Arc::new(Mutex::new(Vec::new()));
-        struct Sink(Arc<Mutex<Vec<u8>>>);
-        impl Write for Sink {
-            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(bytes);
-                Ok(bytes.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
         let sink = buffer.clone();
         let subscriber = tracing_subscriber::fmt()
             .with_env_filter("newsnack=debug")
             .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
+            .with_writer(move || LogSink(sink.clone()))
             .finish();
         tracing::subscriber::set_global_default(subscriber).expect("one log capture per process");
         buffer

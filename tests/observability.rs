@@ -11,11 +11,11 @@
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use common::http::{answer, json_body, request};
 use common::writers::FatalFor;
-use common::{offline, within, Setup, TestDb};
+use common::{offline, within, LogSink, Setup, TestDb};
 use futures::future::{BoxFuture, FutureExt};
 use newsnack::events::listener::TransitionHub;
 use newsnack::model::status::Status;
@@ -62,26 +62,16 @@ async fn send(
     authorization: Option<&str>,
     body: Option<&Value>,
 ) -> Answer {
-    let mut request = http.request(method.clone(), url);
-    if let Some(authorization) = authorization {
-        request = request.header(reqwest::header::AUTHORIZATION, authorization);
-    }
+    let authorization = authorization.map(|value| (reqwest::header::AUTHORIZATION, value));
+    let mut request = request(http, &method, url, authorization);
     if let Some(body) = body {
         request = request.json(body);
     }
-    let response = request
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{method} {url}: no response: {e}"));
-    let status = response.status();
-    let headers = response.headers().clone();
-    let text = response.text().await.unwrap();
+    let (status, headers, text) = answer(request, &method, url).await;
     let body = if text.is_empty() {
         Value::Null
     } else {
-        serde_json::from_str(&text).unwrap_or_else(|e| {
-            panic!("{method} {url} answered {status} with non-JSON ({e}): {text:?}")
-        })
+        json_body(&text, &method, url, status)
     };
     Answer {
         status,
@@ -859,19 +849,6 @@ fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
         logs
     })
     .clone()
-}
-
-struct LogSink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for LogSink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

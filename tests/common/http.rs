@@ -1,7 +1,47 @@
 //! Plain HTTP calls on a running service, for tests whose point is not the
 //! request itself: a JSON body fetched, a JSON body posted, a metric read.
 
+use reqwest::header::{HeaderMap, HeaderName};
+use reqwest::{Method, RequestBuilder, StatusCode};
 use serde_json::Value;
+
+/// `method url`, with `header` when there is one.
+pub fn request(
+    http: &reqwest::Client,
+    method: &Method,
+    url: &str,
+    header: Option<(HeaderName, &str)>,
+) -> RequestBuilder {
+    let request = http.request(method.clone(), url);
+    match header {
+        Some((name, value)) => request.header(name, value),
+        None => request,
+    }
+}
+
+/// Sends `request` (`method url`, named for the failure messages) and
+/// reads its whole answer: the status, the headers and the body's text.
+pub async fn answer(
+    request: RequestBuilder,
+    method: &Method,
+    url: &str,
+) -> (StatusCode, HeaderMap, String) {
+    let response = request
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{method} {url}: no response: {e}"));
+    let status = response.status();
+    let headers = response.headers().clone();
+    (status, headers, response.text().await.unwrap())
+}
+
+/// The body `text` of an answer to `method url` parsed as JSON; fails the
+/// test, saying what answered, if it is not JSON.
+pub fn json_body(text: &str, method: &Method, url: &str, status: StatusCode) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|e| {
+        panic!("{method} {url} answered {status} with non-JSON ({e}): {text:?}")
+    })
+}
 
 /// `GET url`, its body as JSON.
 pub async fn get_json(http: &reqwest::Client, url: &str) -> Value {

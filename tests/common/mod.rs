@@ -647,6 +647,21 @@ pub async fn start_service(
         .expect("start the service")
 }
 
+/// Where a test process's own log lines go when a test captures them: a
+/// buffer shared with the test, appended to.
+pub struct LogSink(pub Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// The writer that needs no LLM, as the service's.
 pub fn offline() -> SharedWriter {
     Arc::new(OfflineWriter) as SharedWriter
