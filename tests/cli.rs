@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Output, Stdio};
 
 use common::process::{self, newsnack, text};
-use common::TestDb;
+use common::{move_on, TestDb};
 
 #[tokio::test]
 async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
@@ -119,12 +119,7 @@ async fn add_claim_status_and_retry_round_trip() {
     let not_failed = newsnack(&db.url, &["retry", &id.to_string()]);
     assert_eq!(not_failed.status.code(), Some(1));
     let sql = db.raw().await;
-    sql.execute(
-        "UPDATE issue SET processing_status='FAILED' WHERE id=$1",
-        &[&id],
-    )
-    .await
-    .unwrap();
+    move_on(&sql, &[id], &["FAILED"]).await;
     let reset = newsnack(&db.url, &["retry", &id.to_string()]);
     assert!(reset.status.success());
     let shown: serde_json::Value =
@@ -452,18 +447,8 @@ async fn wait_prints_its_json_and_exits_3_on_skip() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
     let sql = db.raw().await;
-    sql.execute(
-        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id = ANY($1)",
-        &[&ids],
-    )
-    .await
-    .unwrap();
-    sql.execute(
-        "UPDATE issue SET processing_status='DONE' WHERE id = $1",
-        &[&ids[0]],
-    )
-    .await
-    .unwrap();
+    move_on(&sql, &ids, &["IN_PROGRESS"]).await;
+    move_on(&sql, &ids[..1], &["DONE"]).await;
     let (a, b) = (ids[0].to_string(), ids[1].to_string());
     let skip = newsnack(&db.url, &["wait", &a, &b, "--timeout", "0.3", "--min", "2"]);
     assert_eq!(skip.status.code(), Some(3), "{}", text(&skip.stderr));

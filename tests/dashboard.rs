@@ -19,6 +19,31 @@ use newsnack::db::pipeline_run::RunRecord;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
+/// Records a manual run by `instance` that completed every one of
+/// `targets` and published `briefing_id`; returns the run's id.
+async fn record_passed_run(
+    client: &impl db::Sql,
+    instance: &str,
+    targets: Vec<i64>,
+    briefing_id: i64,
+) -> i64 {
+    let run_id = db::pipeline_run::start(client, "manual", None, instance, &json!({}))
+        .await
+        .unwrap()
+        .unwrap();
+    let record = RunRecord {
+        outcome: "all_pass".into(),
+        completed: targets.clone(),
+        targets,
+        briefing_id: Some(briefing_id),
+        ..Default::default()
+    };
+    db::pipeline_run::finish(client, run_id, &record)
+        .await
+        .unwrap();
+    run_id
+}
+
 async fn get(url: &str) -> (reqwest::StatusCode, String, String) {
     let response = reqwest::get(url)
         .await
@@ -147,20 +172,7 @@ async fn dashboard_json_has_the_documented_shape_as_of_one_log_position() {
     let briefing_id = db::briefing::insert(&client, "Today", today, &[ids[1]], "# Today\n\nText.")
         .await
         .unwrap();
-    let run_id = db::pipeline_run::start(&client, "manual", None, "dash-json", &json!({}))
-        .await
-        .unwrap()
-        .unwrap();
-    let record = RunRecord {
-        outcome: "all_pass".into(),
-        targets: vec![ids[1]],
-        completed: vec![ids[1]],
-        briefing_id: Some(briefing_id),
-        ..Default::default()
-    };
-    db::pipeline_run::finish(&client, run_id, &record)
-        .await
-        .unwrap();
+    let run_id = record_passed_run(&client, "dash-json", vec![ids[1]], briefing_id).await;
     let snap = snapshot(&base).await;
     assert_eq!(snap["runs"][0]["id"], json!(run_id));
     assert_eq!(snap["runs"][0]["outcome"], json!("all_pass"));
@@ -367,20 +379,8 @@ async fn a_headless_browser_sees_a_raw_sql_change_without_a_reload() {
     )
     .await;
     let briefing_id = assembled["briefing_id"].as_i64().expect("a briefing");
-    let run_id = db::pipeline_run::start(&client, "manual", None, "dash-browser", &json!({}))
-        .await
-        .unwrap()
-        .unwrap();
-    let record = RunRecord {
-        outcome: "all_pass".into(),
-        targets: vec![ids[4], ids[3]],
-        completed: vec![ids[4], ids[3]],
-        briefing_id: Some(briefing_id),
-        ..Default::default()
-    };
-    db::pipeline_run::finish(&client, run_id, &record)
-        .await
-        .unwrap();
+    let run_id =
+        record_passed_run(&client, "dash-browser", vec![ids[4], ids[3]], briefing_id).await;
     // One failure by another system.
     let sql = db.raw().await;
     sql.batch_execute(&format!(

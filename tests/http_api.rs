@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use common::http::{answer, json_body, request};
 use common::{
-    offline, until_done_count, until_sql, until_sql_polled, until_status, within, LogSink, TestDb,
+    move_on, offline, until_done_count, until_sql, until_sql_polled, until_status, within, LogSink,
+    TestDb,
 };
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
@@ -805,14 +806,7 @@ async fn writes_of_a_claim_no_longer_current_lock_nothing() {
     let (id, stale, client) = one_claimed_issue(&db, "late").await;
     let lease = CLAIM_LEASE;
     let sql = db.raw().await;
-    for status in ["FAILED", "PENDING"] {
-        sql.execute(
-            "UPDATE issue SET processing_status = $2 WHERE id = $1",
-            &[&id, &status],
-        )
-        .await
-        .unwrap();
-    }
+    move_on(&sql, &[id], &["FAILED", "PENDING"]).await;
     let mut late = db.pool.get().await.unwrap();
     let open = late.transaction().await.unwrap();
     assert!(!heartbeat(&open, id, stale, lease).await.unwrap());

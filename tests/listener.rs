@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{first_column, refusal, within, TestDb};
+use common::{first_column, move_on, refusal, within, TestDb};
 use newsnack::events::listener::ListenerOptions;
 use newsnack::settings::SettingsCache;
 
@@ -203,13 +203,7 @@ async fn transitions_committed_during_an_outage_arrive_without_another_one() {
     .await
     .unwrap();
     let before = status.borrow().last_seq;
-    writer
-        .execute(
-            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
-            &[&ids],
-        )
-        .await
-        .unwrap();
+    move_on(&writer, &ids, &["IN_PROGRESS"]).await;
     // Back, and then nothing more happens.
     db.admit_sessions(true).await;
     let after = within(

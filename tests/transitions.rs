@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{first_column, refusal, within, TestDb};
+use common::{first_column, move_on, refusal, within, TestDb};
 use newsnack::generation::machine::IssueMachine;
 use newsnack::model::status::Status;
 
@@ -107,13 +107,7 @@ async fn raw_sql_transition_reaches_a_subscriber_with_from_to_and_seq() {
     let (hub, stop) = db.listener().await;
     let mut live = hub.subscribe();
     let other = db.raw().await;
-    other
-        .execute(
-            "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
-            &[&id],
-        )
-        .await
-        .unwrap();
+    move_on(&other, &[id], &["IN_PROGRESS"]).await;
     let t = within(10, "the transition", live.recv()).await.unwrap();
     let logged: i64 = other
         .query_one(
@@ -722,14 +716,7 @@ async fn a_lease_counts_from_the_claims_commit() {
         .unwrap()
         .get(0);
     // Claimed and finished in the same transaction: no lease to move.
-    for status in ["IN_PROGRESS", "DONE"] {
-        tx.execute(
-            "UPDATE issue SET processing_status = $2 WHERE id = $1",
-            &[&finished, &status],
-        )
-        .await
-        .unwrap();
-    }
+    move_on(&tx, &[finished], &["IN_PROGRESS", "DONE"]).await;
     // The client is slow: its transaction stays open past the lease.
     tx.execute("SELECT pg_sleep(2.5)", &[]).await.unwrap();
     tx.commit().await.unwrap();

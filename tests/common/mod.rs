@@ -685,6 +685,21 @@ where
         .collect()
 }
 
+/// Moves issues `ids` through `statuses` with raw SQL on `client` (another
+/// system's session, or a transaction the test keeps open), one statement
+/// per step.
+pub async fn move_on(client: &impl tokio_postgres::GenericClient, ids: &[i64], statuses: &[&str]) {
+    for status in statuses {
+        client
+            .execute(
+                "UPDATE issue SET processing_status = $2 WHERE id = ANY($1)",
+                &[&ids, status],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("move {ids:?} to {status}: {e}"));
+    }
+}
+
 /// The message the database refuses `sql` with; fails if it runs.
 pub async fn refusal(client: &Client, sql: &str) -> String {
     let err = client
