@@ -63,6 +63,14 @@ async fn requests_answered_and_lost_lines_counted(serve: &ServeProcess, ids: &[i
     );
 }
 
+/// `serve` as instance `name` on `db`, logging at `info`, its stdout and
+/// stderr going to `output`.
+fn serve_logging_to(db: &TestDb, name: &str, output: Output<'_>) -> ServeProcess {
+    tokio::task::block_in_place(|| {
+        ServeProcess::spawn_writing_to(&db.url, name, &[("RUST_LOG", "info")], output)
+    })
+}
+
 /// Stops `serve` with `signal` and asserts it exits 0 promptly.
 async fn stops_cleanly(mut serve: ServeProcess, signal: libc::c_int) {
     let status = within(
@@ -79,14 +87,7 @@ async fn stops_cleanly(mut serve: ServeProcess, signal: libc::c_int) {
 async fn serve_with_its_output_on_a_closed_pipe_answers_and_stops_on_sigterm() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
-    let serve = tokio::task::block_in_place(|| {
-        ServeProcess::spawn_writing_to(
-            &db.url,
-            "closed-pipe",
-            &[("RUST_LOG", "info")],
-            Output::ClosedPipe,
-        )
-    });
+    let serve = serve_logging_to(&db, "closed-pipe", Output::ClosedPipe);
     requests_answered_and_lost_lines_counted(&serve, &ids).await;
     stops_cleanly(serve, libc::SIGTERM).await;
 }
@@ -95,14 +96,7 @@ async fn serve_with_its_output_on_a_closed_pipe_answers_and_stops_on_sigterm() {
 async fn serve_with_its_output_on_a_full_disk_answers_and_stops_on_sigint() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
-    let serve = tokio::task::block_in_place(|| {
-        ServeProcess::spawn_writing_to(
-            &db.url,
-            "full-disk",
-            &[("RUST_LOG", "info")],
-            Output::File(Path::new("/dev/full")),
-        )
-    });
+    let serve = serve_logging_to(&db, "full-disk", Output::File(Path::new("/dev/full")));
     requests_answered_and_lost_lines_counted(&serve, &ids).await;
     stops_cleanly(serve, libc::SIGINT).await;
 }

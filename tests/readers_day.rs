@@ -32,11 +32,7 @@ async fn a_pipeline_run_dates_and_titles_its_briefing_in_the_readers_zone() {
     db.add_issues(2).await;
 
     let out = tokio::task::block_in_place(|| process::newsnack(&db.url, &["run-pipeline"]));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", process::text(&out.stderr));
     let after = OffsetDateTime::now_utc();
 
     let client = db.raw().await;

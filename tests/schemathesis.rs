@@ -86,7 +86,7 @@ async fn service_with_data(db: &TestDb) -> newsnack::serve::RunningService {
     assert!(
         run.status.success(),
         "run-pipeline: {}",
-        String::from_utf8_lossy(&run.stderr)
+        process::text(&run.stderr)
     );
     // `top_k` (5) of the 8 were generated and published; of the rest, one
     // fails for good, two stay pending.
