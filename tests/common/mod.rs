@@ -395,15 +395,7 @@ impl TestDb {
     /// as another system would.
     pub async fn move_with_sql(&self, ids: &[i64], statuses: &[&str]) {
         let client = self.pool.get().await.unwrap();
-        for status in statuses {
-            client
-                .execute(
-                    "UPDATE issue SET processing_status = $2 WHERE id = ANY($1)",
-                    &[&ids, status],
-                )
-                .await
-                .unwrap();
-        }
+        move_on(&**client, ids, statuses).await
     }
 
     /// Another system claims each of `ids` with raw SQL, one transaction
