@@ -225,7 +225,7 @@ async fn all_seqs(db: &TestDb) -> Vec<i64> {
 /// Inserts `n` issues in one transaction; returns their ids.
 async fn insert(sql: &Client, n: i32) -> Vec<i64> {
     first_column(
-        &sql,
+        sql,
         "INSERT INTO issue (title, body, score)
          SELECT 'issue ' || g, 'body', g FROM generate_series(1, $1::int) g
          RETURNING id",

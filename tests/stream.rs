@@ -33,7 +33,7 @@ async fn until_blocked(observer: &Client, pid: i32) {
 /// Reads `seq > last` like a naive follower would.
 async fn read_after(client: &Client, table: &str, last: i64) -> Vec<i64> {
     first_column(
-        &client,
+        client,
         &format!("SELECT seq FROM {table} WHERE seq > $1 ORDER BY seq"),
         &[&last],
     )

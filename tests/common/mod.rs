@@ -823,7 +823,7 @@ pub async fn rows_read_for_real(client: &Client, table: &str, statement: &str) -
 /// run for real, inside a transaction that is rolled back.
 pub async fn rows_read(client: &Client, table: &str, statement: &str) -> f64 {
     let indexes: Vec<String> = first_column(
-        &client,
+        client,
         "SELECT indexname::text FROM pg_indexes WHERE tablename = $1",
         &[&table],
     )
