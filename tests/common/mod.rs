@@ -277,10 +277,7 @@ impl TestDb {
         self.listener_with(ListenerOptions::default()).await
     }
 
-    pub async fn listener_with(
-        &self,
-        options: ListenerOptions,
-    ) -> (EventHub, CancellationToken) {
+    pub async fn listener_with(&self, options: ListenerOptions) -> (EventHub, CancellationToken) {
         self.listener_on(self.pool.clone(), options).await
     }
 
