@@ -81,6 +81,15 @@ pub enum Command {
         #[arg(required = true, num_args = 1..)]
         ids: Vec<i64>,
     },
+    /// Cancel issues: each ends FAILED with last_error "cancelled" and no
+    /// automatic retry (`retry` brings it back); an article being written
+    /// is abandoned on whichever instance writes it. Prints
+    /// {"cancelled":[..],"done":[..],"unknown":[..]}; exit code 1 when
+    /// none was cancelled.
+    Cancel {
+        #[arg(required = true, num_args = 1..)]
+        ids: Vec<i64>,
+    },
     /// Read and change runtime settings (take effect without a restart).
     #[command(subcommand)]
     Settings(SettingsCommand),
@@ -271,6 +280,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Status => status(&database("newsnack-cli")?).await,
         Command::Issues(cmd) => issues(&database("newsnack-cli")?, cmd).await,
         Command::Retry { ids } => retry(&database("newsnack-cli")?, &ids).await,
+        Command::Cancel { ids } => cancel(&database("newsnack-cli")?, &ids).await,
         Command::Settings(cmd) => settings(&database("newsnack-cli")?, cmd).await,
         Command::Wait { ids, timeout, min } => {
             wait(&database("newsnack-cli")?, ids, timeout, min).await
@@ -555,6 +565,22 @@ async fn retry(database: &db::Database, ids: &[i64]) -> Result<ExitCode, CliErro
         serde_json::json!({"reset": reset, "not_failed": not_failed})
     );
     Ok(if reset.is_empty() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+async fn cancel(database: &db::Database, ids: &[i64]) -> Result<ExitCode, CliError> {
+    input::check_ids("ids", ids)?;
+    let pool = open(database).await?;
+    let mut client = pool.get().await.map_err(DbError::from)?;
+    let outcome = db::issue::cancel(&mut client, ids).await?;
+    println!(
+        "{}",
+        serde_json::to_string(&outcome).expect("a cancel outcome is JSON")
+    );
+    Ok(if outcome.cancelled.is_empty() {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
