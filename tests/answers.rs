@@ -196,7 +196,10 @@ async fn wrappers_come_off_and_failed_checks_are_asked_once_more() {
     let json = outcome(&db, ids[1]).await;
     assert_eq!(
         json.3,
-        Some(("JSON headline".into(), "JSON body, first.\n\nSecond.".into()))
+        Some((
+            "JSON headline".into(),
+            "JSON body, first.\n\nSecond.".into()
+        ))
     );
     assert_eq!(calls_for(&fake, "json").len(), 1);
 
@@ -247,12 +250,10 @@ async fn wrappers_come_off_and_failed_checks_are_asked_once_more() {
 
     let short = outcome(&db, ids[5]).await;
     assert_eq!(short.0, "FAILED");
-    assert!(
-        short
-            .1
-            .unwrap()
-            .starts_with("invalid article: body_length: the article has 6 characters"),
-    );
+    assert!(short
+        .1
+        .unwrap()
+        .starts_with("invalid article: body_length: the article has 6 characters"),);
     assert_eq!(calls_for(&fake, "short twice").len(), 2);
     assert_eq!(fake.requests(), 1 + 1 + 2 + 2 + 2 + 2);
 }
@@ -268,7 +269,11 @@ async fn refusals_and_the_wrong_script_are_asked_once_more() {
     const REFUSAL: &str = "죄송합니다\n\nas an AI language model, I cannot write this.";
     let answers: &'static [(&str, &str, &str)] = &[
         ("refusal fixed", REFUSAL, KOREAN),
-        ("refusal twice", REFUSAL, "제목\n\n죄송하지만 이 기사는 쓸 수 없습니다."),
+        (
+            "refusal twice",
+            REFUSAL,
+            "제목\n\n죄송하지만 이 기사는 쓸 수 없습니다.",
+        ),
         ("english fixed", GOOD, KOREAN),
         ("english twice", GOOD, GOOD),
     ];
@@ -288,7 +293,9 @@ async fn refusals_and_the_wrong_script_are_asked_once_more() {
     assert_eq!(refused.0, "FAILED");
     assert_eq!(
         refused.1.as_deref(),
-        Some("invalid article: reject_phrase: it contains \"죄송하지만\"; write the article itself")
+        Some(
+            "invalid article: reject_phrase: it contains \"죄송하지만\"; write the article itself"
+        )
     );
     assert_eq!(calls_for(&fake, "refusal twice").len(), 2);
 
@@ -322,7 +329,11 @@ async fn decomposed_hangul_is_measured_and_stored_after_nfc() {
     assert_eq!(headline.chars().count(), 24);
     let headline: String = headline.chars().filter(|c| *c != ' ').take(20).collect();
     let decomposed: String = headline.nfd().collect();
-    assert!(decomposed.chars().count() > 40, "{}", decomposed.chars().count());
+    assert!(
+        decomposed.chars().count() > 40,
+        "{}",
+        decomposed.chars().count()
+    );
     let body: String = "시의회가 예산안을 통과시켰다.".nfd().collect();
     let answer: &'static str = Box::leak(format!("{decomposed}\n\n{body}").into_boxed_str());
     let too_long: String = format!("{headline}다").nfd().collect();

@@ -87,8 +87,9 @@ async fn a_good_answer_becomes_headline_and_body() {
                 completion_tokens: Some(1),
             },
             // The answer as it came, for a second request.
-            answer: "**Council passes 2025 budget**\n\nThe council voted 7 to 2.\n\nSpending rises."
-                .into(),
+            answer:
+                "**Council passes 2025 budget**\n\nThe council voted 7 to 2.\n\nSpending rises."
+                    .into(),
         }
     );
 

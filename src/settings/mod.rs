@@ -164,7 +164,10 @@ impl Settings {
         );
         take("article_body_min_chars", &mut s.article_body_min_chars);
         take("article_body_max_chars", &mut s.article_body_max_chars);
-        if let Some(v) = values.get("llm_fallback_for").and_then(|v| FallbackFor::parse(v)) {
+        if let Some(v) = values
+            .get("llm_fallback_for")
+            .and_then(|v| FallbackFor::parse(v))
+        {
             s.llm_fallback_for = v;
         }
         if let Some(v) = values.get("article_script").and_then(|v| Script::parse(v)) {
@@ -332,7 +335,10 @@ mod tests {
         let values: HashMap<String, String> = [
             ("llm_fallback_for".to_string(), "none".to_string()),
             ("article_script".to_string(), "hangul".to_string()),
-            ("article_reject_phrases".to_string(), "As an AI|I can't".to_string()),
+            (
+                "article_reject_phrases".to_string(),
+                "As an AI|I can't".to_string(),
+            ),
             ("article_headline_max_chars".to_string(), "80".to_string()),
             ("llm_daily_token_budget".to_string(), "100000".to_string()),
         ]

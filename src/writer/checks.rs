@@ -294,7 +294,9 @@ mod tests {
         // "한국어" written as conjoining jamo: 8 code points, 3 syllables.
         let decomposed: String = "한국어".nfd().collect();
         assert_eq!(decomposed.chars().count(), 8);
-        let stored = checks.check(&article(&decomposed, "e\u{301}e\u{301}")).unwrap();
+        let stored = checks
+            .check(&article(&decomposed, "e\u{301}e\u{301}"))
+            .unwrap();
         assert_eq!(stored.headline, "한국어", "stored in NFC");
         assert_eq!(stored.body, "éé");
         // An emoji with a skin tone is one character.
@@ -330,8 +332,14 @@ mod tests {
             .check(&article("Sorry", "as an ai language model, I won't."))
             .unwrap_err();
         assert_eq!(refused.check, Check::RejectPhrase);
-        assert!(refused.detail.contains("\"As an AI\""), "{}", refused.detail);
-        assert!(checks.check(&article("Budget passes", "It passed.")).is_ok());
+        assert!(
+            refused.detail.contains("\"As an AI\""),
+            "{}",
+            refused.detail
+        );
+        assert!(checks
+            .check(&article("Budget passes", "It passed."))
+            .is_ok());
         assert!(reject_phrases("").is_empty());
     }
 
@@ -342,7 +350,10 @@ mod tests {
             ..ArticleChecks::default()
         };
         assert!(checks
-            .check(&article("예산 통과", "시의회가 2025년 예산을 통과시켰다. GDP."))
+            .check(&article(
+                "예산 통과",
+                "시의회가 2025년 예산을 통과시켰다. GDP."
+            ))
             .is_ok());
         let english = checks
             .check(&article("Budget", "The council passed the budget."))

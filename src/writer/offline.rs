@@ -280,8 +280,14 @@ mod tests {
             ("", ""),
             ("", long.as_str()),
             (long.as_str(), long.as_str()),
-            (&"가나다라마바사 ".repeat(100), &"한국어 문장입니다. ".repeat(1000)),
-            ("Council approves budget", "The vote was 7 to 2. Spending rises."),
+            (
+                &"가나다라마바사 ".repeat(100),
+                &"한국어 문장입니다. ".repeat(1000),
+            ),
+            (
+                "Council approves budget",
+                "The vote was 7 to 2. Spending rises.",
+            ),
         ] {
             let a = article(title, body);
             assert_eq!(checks.check(&a), Ok(a.clone()), "{title:?} / {body:?}");
