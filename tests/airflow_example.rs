@@ -18,10 +18,9 @@ mod common;
 use std::process::{Output, Stdio};
 use std::sync::Arc;
 
-use common::{within, TestDb};
-use futures::future::{BoxFuture, FutureExt};
-use newsnack::serve::{RunningService, ServeOptions};
-use newsnack::writer::{Article, IssueText, OfflineWriter, WriteError, WriteErrorKind, Writer};
+use common::writers::FatalFor;
+use common::{within, Setup, TestDb};
+use newsnack::serve::RunningService;
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 
@@ -31,39 +30,22 @@ const SCRIPT: &str = concat!(
     "/examples/airflow/run_briefing.py"
 );
 
-/// Writes offline articles, except for issues whose title starts with
-/// `refuse`: those fail with a fatal error (no automatic retry), so a wait
-/// on them settles at once instead of at its deadline.
-struct RefusingWriter;
-
-impl Writer for RefusingWriter {
-    fn name(&self) -> &str {
-        "refusing"
-    }
-
-    fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>> {
-        async move {
-            if issue.title.starts_with("refuse") {
-                return Err(WriteError::fatal(
-                    WriteErrorKind::BadRequest,
-                    "the model refused this issue",
-                ));
-            }
-            OfflineWriter.write(issue).await
-        }
-        .boxed()
-    }
-}
+/// Offline articles, except for issues whose title starts with `refuse`:
+/// those fail for good at once.
+const REFUSING: FatalFor = FatalFor {
+    name: "refusing",
+    prefix: "refuse",
+    message: "the model refused this issue",
+};
 
 async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
-    let options = ServeOptions {
-        pool_size: 8,
+    let setup = Setup {
+        pool_size: Some(8),
         api_token: token.map(str::to_string),
-        ..db.serve_options("airflow-example")
+        ..Setup::default()
     };
-    newsnack::serve::start(options, Arc::new(RefusingWriter))
+    db.serve_with("airflow-example", Arc::new(REFUSING), setup)
         .await
-        .expect("start the service")
 }
 
 /// Runs the example script against `base_url` with `token` in its
@@ -153,11 +135,29 @@ async fn briefings(db: &TestDb) -> Vec<(i64, Vec<i64>)> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_partial_success_publishes_exactly_the_ids_the_wait_returned() {
-    let db = TestDb::new().await;
-    let targets = add(
-        &db,
+/// Three issues; the model refuses to write the first two.
+async fn two_of_three_refused(db: &TestDb) -> Vec<i64> {
+    add(
+        db,
+        &[("refuse one", 3.0), ("refuse two", 2.0), ("Fine", 1.0)],
+    )
+    .await
+}
+
+/// The script's arguments for a wait on `targets` of which 2 must
+/// complete within 120 s.
+fn wait_args(targets: &[i64]) -> Vec<String> {
+    let mut args: Vec<String> = ["--min-completion", "2", "--timeout-s", "120"]
+        .map(String::from)
+        .to_vec();
+    args.extend(targets.iter().map(i64::to_string));
+    args
+}
+
+/// Four issues, hottest first; the model refuses to write the second.
+async fn four_stories_one_refused(db: &TestDb) -> Vec<i64> {
+    add(
+        db,
         &[
             ("Hottest story", 9.0),
             ("refuse: the story the model will not write", 8.0),
@@ -165,12 +165,17 @@ async fn a_partial_success_publishes_exactly_the_ids_the_wait_returned() {
             ("Fourth story", 6.0),
         ],
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_success_publishes_exactly_the_ids_the_wait_returned() {
+    let db = TestDb::new().await;
+    let targets = four_stories_one_refused(&db).await;
     let service = serve(&db, Some(TOKEN)).await;
     let base = format!("http://{}", service.addr);
-    let target_args: Vec<String> = targets.iter().map(i64::to_string).collect();
-    let mut args = vec!["--min-completion", "2", "--timeout-s", "120"];
-    args.extend(target_args.iter().map(String::as_str));
+    let args = wait_args(&targets);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run_briefing(&base, Some(TOKEN), &args, None).await;
     let report = report(&out);
     assert_eq!(out.status.code(), Some(0), "{report}");
@@ -260,16 +265,11 @@ async fn issues_added_over_http_are_claimed_waited_for_and_published_hottest_fir
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_that_skips_publishes_nothing() {
     let db = TestDb::new().await;
-    let targets = add(
-        &db,
-        &[("refuse one", 3.0), ("refuse two", 2.0), ("Fine", 1.0)],
-    )
-    .await;
+    let targets = two_of_three_refused(&db).await;
     let service = serve(&db, None).await;
     let base = format!("http://{}", service.addr);
-    let target_args: Vec<String> = targets.iter().map(i64::to_string).collect();
-    let mut args = vec!["--min-completion", "2", "--timeout-s", "120"];
-    args.extend(target_args.iter().map(String::as_str));
+    let args = wait_args(&targets);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run_briefing(&base, None, &args, None).await;
     let report = report(&out);
     assert_eq!(out.status.code(), Some(3), "{report}");
@@ -411,6 +411,20 @@ impl Airflow {
     }
 }
 
+/// Runs the DAG once in Airflow against `service` for `targets` (2 of
+/// them to complete within 120 s): its output, the tasks it started, and
+/// why it skipped those it skipped.
+async fn dag_run(service: &RunningService, targets: &[i64]) -> (String, Vec<String>, Vec<String>) {
+    let airflow = Airflow::for_service(&format!("http://{}", service.addr)).await;
+    let output = airflow
+        .test_dag(&serde_json::json!({
+            "issue_ids": targets, "min_completion": 2, "timeout_s": 120,
+        }))
+        .await;
+    let (started, skipped) = tasks_run_and_skipped(&output);
+    (output, started, skipped)
+}
+
 /// The tasks that `airflow dags test` reports as started, and the reasons
 /// of those it skipped.
 fn tasks_run_and_skipped(output: &str) -> (Vec<String>, Vec<String>) {
@@ -432,24 +446,9 @@ fn tasks_run_and_skipped(output: &str) -> (Vec<String>, Vec<String>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dag_runs_in_airflow_and_publishes_exactly_the_completed_ids() {
     let db = TestDb::new().await;
-    let targets = add(
-        &db,
-        &[
-            ("Hottest story", 9.0),
-            ("refuse: the story the model will not write", 8.0),
-            ("Third story", 7.0),
-            ("Fourth story", 6.0),
-        ],
-    )
-    .await;
+    let targets = four_stories_one_refused(&db).await;
     let service = serve(&db, Some(TOKEN)).await;
-    let airflow = Airflow::for_service(&format!("http://{}", service.addr)).await;
-    let output = airflow
-        .test_dag(&serde_json::json!({
-            "issue_ids": targets, "min_completion": 2, "timeout_s": 120,
-        }))
-        .await;
-    let (started, skipped) = tasks_run_and_skipped(&output);
+    let (output, started, skipped) = dag_run(&service, &targets).await;
     assert_eq!(
         started,
         [
@@ -477,19 +476,9 @@ async fn the_dag_runs_in_airflow_and_publishes_exactly_the_completed_ids() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_skipping_wait_skips_the_briefing_in_airflow() {
     let db = TestDb::new().await;
-    let targets = add(
-        &db,
-        &[("refuse one", 3.0), ("refuse two", 2.0), ("Fine", 1.0)],
-    )
-    .await;
+    let targets = two_of_three_refused(&db).await;
     let service = serve(&db, Some(TOKEN)).await;
-    let airflow = Airflow::for_service(&format!("http://{}", service.addr)).await;
-    let output = airflow
-        .test_dag(&serde_json::json!({
-            "issue_ids": targets, "min_completion": 2, "timeout_s": 120,
-        }))
-        .await;
-    let (started, skipped) = tasks_run_and_skipped(&output);
+    let (output, started, skipped) = dag_run(&service, &targets).await;
     assert_eq!(
         started,
         [

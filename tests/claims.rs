@@ -276,18 +276,11 @@ fn words(text: &str) -> String {
 /// The one query `function` returns, as the server holds it, in
 /// [`words`], its schema's name taken off the names it qualifies.
 async fn returned_query(db: &TestDb, function: &str) -> String {
-    let row = db
-        .pool
-        .get()
-        .await
-        .unwrap()
-        .query_one(
+    let row = db.query_one(
             "SELECT p.prosrc, n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
               WHERE p.proname = $1",
             &[&function],
-        )
-        .await
-        .unwrap();
+        ).await;
     let (body, schema): (String, String) = (row.get(0), row.get(1));
     words(&body)
         .split_once("RETURN QUERY ")

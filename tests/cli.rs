@@ -5,22 +5,10 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 
-use common::TestDb;
-
-fn newsnack(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run newsnack")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+use common::process::{self, newsnack, text};
+use common::{move_on, TestDb};
 
 #[tokio::test]
 async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
@@ -44,9 +32,7 @@ async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
     let url = other.url.clone();
     let racers: Vec<_> = (0..4)
         .map(|_| {
-            Command::new(env!("CARGO_BIN_EXE_newsnack"))
-                .arg("migrate")
-                .env("DATABASE_URL", &url)
+            process::command(&url, &["migrate"])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -139,12 +125,7 @@ async fn add_claim_status_and_retry_round_trip() {
     let not_failed = newsnack(&db.url, &["retry", &id.to_string()]);
     assert_eq!(not_failed.status.code(), Some(1));
     let sql = db.raw().await;
-    sql.execute(
-        "UPDATE issue SET processing_status='FAILED' WHERE id=$1",
-        &[&id],
-    )
-    .await
-    .unwrap();
+    move_on(&sql, &[id], &["FAILED"]).await;
     let reset = newsnack(&db.url, &["retry", &id.to_string()]);
     assert!(reset.status.success());
     let shown: serde_json::Value =
@@ -263,8 +244,7 @@ async fn bad_input_gets_a_clear_one_line_error_and_changes_nothing() {
     assert_eq!(dead.status.code(), Some(1));
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
     assert!(err.contains("newsnack:"), "{err}");
-    let unset = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("status")
+    let unset = process::binary(&["status"])
         .env_remove("DATABASE_URL")
         .output()
         .unwrap();
@@ -312,9 +292,7 @@ async fn showing_an_issue_with_an_unreadable_date_is_a_one_line_error() {
 async fn tail_json_replays_history_and_follows_live_one_object_per_line() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
-    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["tail", "--json", "--since", "0"])
-        .env("DATABASE_URL", &db.url)
+    let mut tail = process::command(&db.url, &["tail", "--json", "--since", "0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -361,9 +339,7 @@ async fn tail_that_cannot_write_its_output_fails() {
         .write(true)
         .open("/dev/full")
         .unwrap();
-    let tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["tail", "--json", "--since", "0"])
-        .env("DATABASE_URL", &db.url)
+    let tail = process::command(&db.url, &["tail", "--json", "--since", "0"])
         .env("RUST_LOG", "error")
         .stdout(full)
         .stderr(Stdio::piped())
@@ -386,14 +362,15 @@ async fn tail_since_beyond_the_log_warns_and_follows_from_its_end() {
     let db = TestDb::new().await;
     let ids = db.add_issues(1).await;
     let end = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
-    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["tail", "--json", "--since", &(end + 1000).to_string()])
-        .env("DATABASE_URL", &db.url)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut tail = process::command(
+        &db.url,
+        &["tail", "--json", "--since", &(end + 1000).to_string()],
+    )
+    .env("RUST_LOG", "error")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     // Each pipe is read on a thread of its own, so a tail that says or
     // prints nothing fails the test at the deadline instead of hanging it.
     let lines_of = |pipe: Box<dyn std::io::Read + Send>| {
@@ -442,9 +419,7 @@ async fn tail_since_beyond_the_log_warns_and_follows_from_its_end() {
 #[tokio::test]
 async fn serve_refuses_an_api_token_no_request_could_present() {
     let db = TestDb::new().await;
-    let child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("DATABASE_URL", &db.url)
+    let child = process::command(&db.url, &["serve", "--listen", "127.0.0.1:0"])
         .env("NEWSNACK_API_TOKEN", "geheimnis-schlüssel")
         .env("RUST_LOG", "error")
         .stdout(Stdio::null())
@@ -478,18 +453,8 @@ async fn wait_prints_its_json_and_exits_3_on_skip() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
     let sql = db.raw().await;
-    sql.execute(
-        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id = ANY($1)",
-        &[&ids],
-    )
-    .await
-    .unwrap();
-    sql.execute(
-        "UPDATE issue SET processing_status='DONE' WHERE id = $1",
-        &[&ids[0]],
-    )
-    .await
-    .unwrap();
+    move_on(&sql, &ids, &["IN_PROGRESS"]).await;
+    move_on(&sql, &ids[..1], &["DONE"]).await;
     let (a, b) = (ids[0].to_string(), ids[1].to_string());
     let skip = newsnack(&db.url, &["wait", &a, &b, "--timeout", "0.3", "--min", "2"]);
     assert_eq!(skip.status.code(), Some(3), "{}", text(&skip.stderr));

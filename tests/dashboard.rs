@@ -10,18 +10,38 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 
 use common::gate::Relay;
-use common::{until_sql, within, TestDb};
+use common::http::post_json;
+use common::{offline, until_done_count, within, TestDb};
 use newsnack::db;
 use newsnack::db::pipeline_run::RunRecord;
-use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
-fn offline() -> SharedWriter {
-    Arc::new(OfflineWriter) as SharedWriter
+/// Records a manual run by `instance` that completed every one of
+/// `targets` and published `briefing_id`; returns the run's id.
+async fn record_passed_run(
+    client: &impl db::Sql,
+    instance: &str,
+    targets: Vec<i64>,
+    briefing_id: i64,
+) -> i64 {
+    let run_id = db::pipeline_run::start(client, "manual", None, instance, &json!({}))
+        .await
+        .unwrap()
+        .unwrap();
+    let record = RunRecord {
+        outcome: "all_pass".into(),
+        completed: targets.clone(),
+        targets,
+        briefing_id: Some(briefing_id),
+        ..Default::default()
+    };
+    db::pipeline_run::finish(client, run_id, &record)
+        .await
+        .unwrap();
+    run_id
 }
 
 async fn get(url: &str) -> (reqwest::StatusCode, String, String) {
@@ -152,20 +172,7 @@ async fn dashboard_json_has_the_documented_shape_as_of_one_log_position() {
     let briefing_id = db::briefing::insert(&client, "Today", today, &[ids[1]], "# Today\n\nText.")
         .await
         .unwrap();
-    let run_id = db::pipeline_run::start(&client, "manual", None, "dash-json", &json!({}))
-        .await
-        .unwrap()
-        .unwrap();
-    let record = RunRecord {
-        outcome: "all_pass".into(),
-        targets: vec![ids[1]],
-        completed: vec![ids[1]],
-        briefing_id: Some(briefing_id),
-        ..Default::default()
-    };
-    db::pipeline_run::finish(&client, run_id, &record)
-        .await
-        .unwrap();
+    let run_id = record_passed_run(&client, "dash-json", vec![ids[1]], briefing_id).await;
     let snap = snapshot(&base).await;
     assert_eq!(snap["runs"][0]["id"], json!(run_id));
     assert_eq!(snap["runs"][0]["outcome"], json!("all_pass"));
@@ -364,37 +371,16 @@ async fn a_headless_browser_sees_a_raw_sql_change_without_a_reload() {
         .await
         .unwrap();
     assert_eq!(claimed.status(), 202);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        "SELECT count(*) = 2 FROM issue WHERE processing_status = 'DONE'",
+    until_done_count(&db, &service.hub, 30, 2).await;
+    let (_, assembled) = post_json(
+        &http,
+        &format!("{base}/today-newsnack"),
+        &json!({ "issue_ids": [ids[4], ids[3]] }),
     )
     .await;
-    let assembled: Value = http
-        .post(format!("{base}/today-newsnack"))
-        .json(&json!({ "issue_ids": [ids[4], ids[3]] }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
     let briefing_id = assembled["briefing_id"].as_i64().expect("a briefing");
-    let run_id = db::pipeline_run::start(&client, "manual", None, "dash-browser", &json!({}))
-        .await
-        .unwrap()
-        .unwrap();
-    let record = RunRecord {
-        outcome: "all_pass".into(),
-        targets: vec![ids[4], ids[3]],
-        completed: vec![ids[4], ids[3]],
-        briefing_id: Some(briefing_id),
-        ..Default::default()
-    };
-    db::pipeline_run::finish(&client, run_id, &record)
-        .await
-        .unwrap();
+    let run_id =
+        record_passed_run(&client, "dash-browser", vec![ids[4], ids[3]], briefing_id).await;
     // One failure by another system.
     let sql = db.raw().await;
     sql.batch_execute(&format!(

@@ -6,14 +6,13 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use common::TestDb;
+use common::{process, TestDb};
 
 #[test]
 fn the_demo_runs_with_no_configuration_and_tells_the_whole_story() {
-    let out = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("demo")
+    let out = process::binary(&["demo"])
         .env_remove("DATABASE_URL")
         .env_remove("NEWSNACK_LLM_URL")
         .env_remove("RUST_LOG")
@@ -54,8 +53,7 @@ fn an_interrupted_demo_leaves_no_cluster_behind() {
     // (open to the unprivileged user the cluster runs as).
     let tmp = tempfile::tempdir().unwrap();
     std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("demo")
+    let mut child = process::binary(&["demo"])
         .env_remove("DATABASE_URL")
         .env_remove("NEWSNACK_LLM_URL")
         .env("TMPDIR", tmp.path())
@@ -151,9 +149,7 @@ async fn with_database_url_the_demo_leaves_the_named_database_untouched() {
     db.set("retry_backoff_ms", "1234").await;
     let before = contents(&db).await;
     let out = tokio::task::block_in_place(|| {
-        Command::new(env!("CARGO_BIN_EXE_newsnack"))
-            .arg("demo")
-            .env("DATABASE_URL", &db.url)
+        process::command(&db.url, &["demo"])
             .env_remove("NEWSNACK_LLM_URL")
             .env_remove("RUST_LOG")
             .output()
@@ -192,9 +188,7 @@ async fn with_database_url_the_demo_leaves_the_named_database_untouched() {
 async fn an_interrupted_demo_drops_its_throwaway_database() {
     let db = TestDb::new().await;
     let before = contents(&db).await;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("demo")
-        .env("DATABASE_URL", &db.url)
+    let mut child = process::command(&db.url, &["demo"])
         .env_remove("NEWSNACK_LLM_URL")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

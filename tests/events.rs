@@ -11,11 +11,10 @@ mod common;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{until_published, within, TestDb};
-use newsnack::writer::{OfflineWriter, SharedWriter};
+use common::http::metric;
+use common::{first_column, offline, until_published, within, TestDb};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -25,10 +24,6 @@ use tokio_postgres::Client;
 /// The 200-client test measures this process's memory, so it runs alone;
 /// every other test here shares this lock.
 static EXCLUSIVE: RwLock<()> = RwLock::const_new(());
-
-fn offline() -> SharedWriter {
-    Arc::new(OfflineWriter) as SharedWriter
-}
 
 /// One parsed server-sent event.
 #[derive(Debug, Clone)]
@@ -219,28 +214,24 @@ fn parse_block(block: &[u8]) -> Option<SseEvent> {
 
 async fn all_seqs(db: &TestDb) -> Vec<i64> {
     let client = db.pool.get().await.unwrap();
-    client
-        .query("SELECT seq FROM issue_transition ORDER BY seq", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    first_column(
+        &client,
+        "SELECT seq FROM issue_transition ORDER BY seq",
+        &[],
+    )
+    .await
 }
 
 /// Inserts `n` issues in one transaction; returns their ids.
 async fn insert(sql: &Client, n: i32) -> Vec<i64> {
-    sql.query(
+    first_column(
+        sql,
         "INSERT INTO issue (title, body, score)
          SELECT 'issue ' || g, 'body', g FROM generate_series(1, $1::int) g
          RETURNING id",
         &[&n],
     )
     .await
-    .unwrap()
-    .iter()
-    .map(|r| r.get(0))
-    .collect()
 }
 
 /// How many transitions surely overflow what a stalled connection absorbs
@@ -606,19 +597,8 @@ async fn two_hundred_clients_all_receive_every_transition() {
         "one hub receiver per client"
     );
     // The metrics count them too.
-    let metrics = http
-        .get(format!("http://{}/metrics", service.addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let gauge: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("newsnack_sse_clients "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no newsnack_sse_clients in {metrics}"));
+    let base = format!("http://{}", service.addr);
+    let gauge = metric(&http, &base, "newsnack_sse_clients").await;
     assert!(gauge >= CLIENTS as f64, "newsnack_sse_clients = {gauge}");
 
     let (final_tx, final_rx) = watch::channel(i64::MAX);

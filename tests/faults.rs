@@ -21,14 +21,15 @@ use std::time::Duration;
 
 use common::audit::{post_wait, Audit, AuditReport, WaitRecord, WaitSpec};
 use common::fake_llm::{FakeLlm, Reply};
+use common::http::post_json;
 use common::process::ServeProcess;
 use common::subscribers::Recording;
-use common::{until_published, until_sql, within, TestDb};
+use common::{until_done_count, until_published, until_sql, within, Setup, TestDb};
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::events::hub::{EventHub, ListenerStatus};
 use newsnack::events::listener::{Listener, ListenerOptions};
-use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::serve::RunningService;
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -69,21 +70,12 @@ async fn start_service(
     pool_size: usize,
     writer: SharedWriter,
 ) -> RunningService {
-    newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.to_string()),
-            direct_database_url: None,
-            instance: instance.into(),
-            pool_size,
-            grace: Duration::from_secs(2),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        writer,
-    )
-    .await
-    .expect("start the service")
+    let setup = Setup {
+        pool_size: Some(pool_size),
+        grace: Some(Duration::from_secs(2)),
+        ..Setup::default()
+    };
+    common::start_service(url, instance, writer, setup).await
 }
 
 /// A listener that reconnects within milliseconds, for the test's own view.
@@ -103,23 +95,12 @@ fn audit(pool: &DbPool, hub: &EventHub) -> Audit {
     }
 }
 
-async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
-    let response = http
-        .post(&url)
-        .json(&body)
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
 /// `POST /ai-articles`, which must claim something.
 async fn request_articles(http: &reqwest::Client, base: &str, ids: &[i64]) -> Value {
-    let (status, body) = post(
+    let (status, body) = post_json(
         http,
-        format!("{base}/ai-articles"),
-        json!({ "issue_ids": ids }),
+        &format!("{base}/ai-articles"),
+        &json!({ "issue_ids": ids }),
     )
     .await;
     assert_eq!(status, 202, "claiming {ids:?}: {body}");
@@ -131,7 +112,12 @@ async fn add_issues_over_http(http: &reqwest::Client, base: &str, n: usize) -> V
     let issues: Vec<Value> = (0..n)
         .map(|i| json!({"title": format!("story {i}"), "body": "Something happened.", "score": i}))
         .collect();
-    let (status, body) = post(http, format!("{base}/issues"), json!({ "issues": issues })).await;
+    let (status, body) = post_json(
+        http,
+        &format!("{base}/issues"),
+        &json!({ "issues": issues }),
+    )
+    .await;
     assert_eq!(status, 201, "{body}");
     serde_json::from_value(body["ids"].clone()).expect("ids")
 }
@@ -270,10 +256,10 @@ async fn postgres_restarted_mid_run_with_waits_open_and_sse_clients_connected() 
 
     let ids = add_issues_over_http(&http, &base, 80).await;
     let poison = {
-        let (status, body) = post(
+        let (status, body) = post_json(
             &http,
-            format!("{base}/issues"),
-            json!({"issues": [{"title": "poison pill"}]}),
+            &format!("{base}/issues"),
+            &json!({"issues": [{"title": "poison pill"}]}),
         )
         .await;
         assert_eq!(status, 201);
@@ -546,19 +532,7 @@ async fn one_of_three_serve_processes_sigkilled_then_restarted() {
     request_articles(&http, &victim.base_url(), &ids[..60]).await;
     request_articles(&http, &alpha.base_url(), &ids[60..90]).await;
     request_articles(&http, &beta.base_url(), &ids[90..]).await;
-    until_sql(
-        &db,
-        &hub,
-        60,
-        "SELECT count(*) >= 4 FROM issue WHERE processing_status = 'DONE' AND claimed_by = 'victim'",
-    )
-    .await;
-    victim.kill();
-    let stranded = db.held_by("victim").await;
-    assert!(
-        !stranded.is_empty(),
-        "the kill must catch the victim mid-generation"
-    );
+    let stranded = db.kill_mid_generation(&hub, &mut victim, 4).await;
 
     let mut victim = spawn("victim");
     let late = db.add_issues(20).await;
@@ -1035,17 +1009,7 @@ async fn the_audit_finds_claims_stuck_past_their_lease_when_no_reaper_runs() {
     db.set("lease_s", "1").await;
     // Everything of the service but its lease reaper.
     let shutdown = CancellationToken::new();
-    let core = newsnack::serve::Core::start(
-        &db.database(),
-        "no-reaper",
-        4,
-        Arc::new(OfflineWriter),
-        Duration::from_secs(1),
-        newsnack::generation::retry::RetryScope::everything(),
-        &shutdown,
-    )
-    .await
-    .unwrap();
+    let core = db.core("no-reaper", &shutdown).await;
     let ids = db.add_issues(6).await;
     let claimed = core
         .claimer
@@ -1120,13 +1084,7 @@ async fn the_audit_finds_a_subscriber_that_loses_or_repeats_events() {
         &ids,
     )
     .await;
-    until_sql(
-        &db,
-        &hub,
-        30,
-        "SELECT count(*) = 30 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &hub, 30, 30).await;
     let newest = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
     until_published(&hub, newest).await;
 

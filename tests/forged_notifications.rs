@@ -15,7 +15,7 @@ mod common;
 use std::sync::Arc;
 
 use common::subscribers::Recording;
-use common::{until_published, within, TestDb};
+use common::{login_role, until_published, within, TestDb};
 use newsnack::events::listener::ListenerOptions;
 use newsnack::model::status::Status;
 use newsnack::model::transition::NotificationKey;
@@ -25,15 +25,7 @@ use serde_json::json;
 /// A session of a role with no privileges at all: NOTIFY needs none.
 async fn forger(db: &TestDb) -> tokio_postgres::Client {
     let sql = db.raw().await;
-    sql.batch_execute(
-        "DO $$ BEGIN
-             IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'forger') THEN
-                 CREATE ROLE forger LOGIN;
-             END IF;
-         END $$",
-    )
-    .await
-    .unwrap();
+    login_role(&sql, "forger").await;
     let mut config = db.config.clone();
     config.user("forger");
     let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();

@@ -11,8 +11,12 @@ use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::gate::DbGate;
+use common::http::metric;
 use common::process::ServeProcess;
-use common::{until_sql, until_sql_polled, until_status, within, TestDb};
+use common::{
+    until_done_count, until_sql, until_sql_polled, until_status, within, Apart, GeneratorApart,
+    Setup, TestDb,
+};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use tokio::sync::watch;
 
@@ -66,13 +70,7 @@ async fn two_hundred_issues_with_transient_failures_all_end_done_once() {
         assert_eq!(status, 202, "{body}");
         assert_eq!(body["claimed"].as_array().unwrap().len(), 50);
     }
-    until_sql(
-        &db,
-        &service.hub,
-        120,
-        "SELECT count(*) = 200 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &service.hub, 120, 200).await;
     assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 200);
     assert_eq!(
         db.scalar_i64("SELECT count(DISTINCT issue_id) FROM ai_article")
@@ -448,27 +446,9 @@ async fn a_sigkilled_instance_leaves_nothing_stuck_or_duplicated() {
     let (status, _) = post_ids(&http, survivor.addr, &ids[60..]).await;
     assert_eq!(status, 202);
     // Kill the victim while it is mid-generation.
-    until_sql(
-        &db,
-        &hub,
-        60,
-        "SELECT count(*) >= 5 FROM issue WHERE processing_status = 'DONE' AND claimed_by = 'victim'",
-    )
-    .await;
-    victim.kill();
-    let stranded = db.held_by("victim").await;
-    assert!(
-        !stranded.is_empty(),
-        "the kill must catch the victim mid-generation"
-    );
+    let stranded = db.kill_mid_generation(&hub, &mut victim, 5).await;
 
-    until_sql(
-        &db,
-        &hub,
-        90,
-        "SELECT count(*) = 100 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &hub, 90, 100).await;
     assert_eq!(db.scalar_i64("SELECT count(*) FROM ai_article").await, 100);
     assert_eq!(
         db.scalar_i64("SELECT count(DISTINCT issue_id) FROM ai_article")
@@ -620,8 +600,6 @@ async fn an_outcome_that_cannot_be_recorded_fails_at_once_with_the_reason() {
 async fn failures_left_from_before_start_are_retried_after_a_failed_first_look() {
     use newsnack::claims::claim::Claimer;
     use newsnack::generation::retry::RetryScheduler;
-    use newsnack::generation::worker::Generator;
-    use newsnack::settings::SettingsCache;
 
     let db = TestDb::new().await;
     db.set("retry_backoff_ms", "1").await;
@@ -633,23 +611,21 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
     let gated = newsnack::db::Endpoint::parse(&gate.url, "gated").unwrap();
     let pool = newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap();
 
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::events::listener::Listener::start(
-        db.endpoint.clone(),
-        pool.clone(),
-        Default::default(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
-    let (generator, handle) = Generator::new(
-        pool.clone(),
-        Arc::new(OfflineWriter),
-        settings.clone(),
-        hub.settings_changed(),
-        Duration::from_secs(5),
-    );
+    let GeneratorApart {
+        hub,
+        stop,
+        settings,
+        generator,
+        handle,
+    } = db
+        .generator_apart(
+            Arc::new(OfflineWriter),
+            Apart {
+                pool: Some(pool.clone()),
+                ..Apart::default()
+            },
+        )
+        .await;
     // Nothing else uses the pool until the generator runs.
     tokio::spawn(
         RetryScheduler {
@@ -721,27 +697,22 @@ struct HeldGenerator {
 }
 
 async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerator {
-    let stop = tokio_util::sync::CancellationToken::new();
-    let (hub, _listener) = newsnack::events::listener::Listener::start(
-        db.endpoint.clone(),
-        db.pool.clone(),
-        Default::default(),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let settings = Arc::new(newsnack::settings::SettingsCache::new(
-        db.pool.clone(),
-        hub.settings_changed(),
-    ));
     let (writer, calls, release) = held_writer();
-    let (generator, handle) = newsnack::generation::worker::Generator::new(
-        pool,
-        writer,
-        settings,
-        hub.settings_changed(),
-        Duration::from_secs(5),
-    );
+    let GeneratorApart {
+        hub,
+        stop,
+        generator,
+        handle,
+        ..
+    } = db
+        .generator_apart(
+            writer,
+            Apart {
+                generator_pool: Some(pool),
+                ..Apart::default()
+            },
+        )
+        .await;
     tokio::spawn(generator.run(stop.clone()));
     HeldGenerator {
         hub,
@@ -754,18 +725,13 @@ async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerato
 
 /// The service's `newsnack_completions_deferred_total`.
 async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
-    let text = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix("newsnack_completions_deferred_total "))
-        .unwrap_or_else(|| panic!("no newsnack_completions_deferred_total in:\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
+    let base = format!("http://{addr}");
+    metric(
+        &reqwest::Client::new(),
+        &base,
+        "newsnack_completions_deferred_total",
+    )
+    .await
 }
 
 /// An issue whose row another system holds (a transaction editing it with
@@ -845,9 +811,16 @@ async fn a_full_backlog_turns_claims_away_until_it_is_written() {
     let db = TestDb::new().await;
     let ids = db.add_issues(4).await;
     let (writer, mut calls, release) = held_writer();
-    let mut options = db.serve_options("backlogged");
-    options.max_backlog = 3;
-    let service = newsnack::serve::start(options, writer).await.unwrap();
+    let service = db
+        .serve_with(
+            "backlogged",
+            writer,
+            Setup {
+                max_backlog: Some(3),
+                ..Setup::default()
+            },
+        )
+        .await;
     let http = reqwest::Client::new();
     let (status, body) = post_ids(&http, service.addr, &ids[..3]).await;
     assert_eq!(status, 202, "{body}");
@@ -930,17 +903,12 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
 
     until_status(&db, &hub, 30, id, "DONE").await;
     let row = db
-        .pool
-        .get()
-        .await
-        .unwrap()
         .query_one(
             "SELECT attempts, (SELECT count(*) FROM ai_article WHERE issue_id = $1)
                FROM issue WHERE id = $1",
             &[&id],
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(row.get::<_, i32>(0), 1, "recorded within the first attempt");
     assert_eq!(row.get::<_, i64>(1), 1, "exactly one article");
     stop.cancel();
@@ -992,17 +960,12 @@ async fn a_claim_taken_under_a_shorter_lease_is_beaten_before_it_runs_out() {
     )
     .await;
     let row = db
-        .pool
-        .get()
-        .await
-        .unwrap()
         .query_one(
             "SELECT processing_status, claim_id, lease_until - interval '600 seconds'
                FROM issue WHERE id = $1",
             &[&id],
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(row.get::<_, String>(0), "IN_PROGRESS");
     assert_eq!(row.get::<_, i64>(1), claim_id);
     let beaten_at: time::OffsetDateTime = row.get(2);
@@ -1033,15 +996,16 @@ async fn shutdown_releases_unfinished_generations_as_failed() {
     // A grace period long enough that the state between the queued
     // releases and the started one's is seen however loaded the machine.
     let grace = Duration::from_secs(15);
-    let service = newsnack::serve::start(
-        newsnack::serve::ServeOptions {
-            grace,
-            ..db.serve_options("stopping")
-        },
-        writer,
-    )
-    .await
-    .unwrap();
+    let service = db
+        .serve_with(
+            "stopping",
+            writer,
+            Setup {
+                grace: Some(grace),
+                ..Setup::default()
+            },
+        )
+        .await;
     let (status, body) = post_ids(&reqwest::Client::new(), service.addr, &ids).await;
     assert_eq!(status, 202, "{body}");
     within(30, "the first call to start", calls.wait_for(|n| *n == 1))

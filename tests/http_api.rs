@@ -10,23 +10,21 @@
 mod common;
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use common::{until_sql, until_sql_polled, until_status, within, TestDb};
+use common::http::{answer, json_body, request};
+use common::{
+    move_on, offline, until_done_count, until_sql, until_sql_polled, until_status, within, LogSink,
+    TestDb,
+};
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
 };
 use newsnack::db::Sql;
-use newsnack::writer::{OfflineWriter, SharedWriter};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
-
-fn offline() -> SharedWriter {
-    Arc::new(OfflineWriter) as SharedWriter
-}
 
 /// Sends one request; returns the status and the body parsed as JSON. Fails
 /// the test if the answer is not JSON (by header and by content), or is a
@@ -38,20 +36,13 @@ async fn send(
     content_type: Option<&str>,
     body: Option<Vec<u8>>,
 ) -> (StatusCode, Value) {
-    let mut request = http.request(method.clone(), url);
-    if let Some(content_type) = content_type {
-        request = request.header(reqwest::header::CONTENT_TYPE, content_type);
-    }
+    let content_type = content_type.map(|value| (reqwest::header::CONTENT_TYPE, value));
+    let mut request = request(http, &method, url, content_type);
     if let Some(body) = body {
         request = request.body(body);
     }
-    let response = request
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{method} {url}: no response: {e}"));
-    let status = response.status();
-    let content_type = response
-        .headers()
+    let (status, headers, text) = answer(request, &method, url).await;
+    let content_type = headers
         .get(reqwest::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
@@ -62,15 +53,11 @@ async fn send(
     );
     if status == StatusCode::METHOD_NOT_ALLOWED {
         assert!(
-            response.headers().contains_key(reqwest::header::ALLOW),
+            headers.contains_key(reqwest::header::ALLOW),
             "{method} {url}: 405 without Allow"
         );
     }
-    let text = response.text().await.unwrap();
-    let value = serde_json::from_str(&text).unwrap_or_else(|e| {
-        panic!("{method} {url} answered {status} with non-JSON ({e}): {text:?}")
-    });
-    (status, value)
+    (status, json_body(&text, &method, url, status))
 }
 
 /// Everything a request could have changed: row counts, the log's end, and
@@ -442,21 +429,11 @@ fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
     static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
     LOGS.get_or_init(|| {
         let buffer = Arc::new(Mutex::new(Vec::new()));
-        struct Sink(Arc<Mutex<Vec<u8>>>);
-        impl Write for Sink {
-            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(bytes);
-                Ok(bytes.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
         let sink = buffer.clone();
         let subscriber = tracing_subscriber::fmt()
             .with_env_filter("newsnack=debug")
             .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
+            .with_writer(move || LogSink(sink.clone()))
             .finish();
         tracing::subscriber::set_global_default(subscriber).expect("one log capture per process");
         buffer
@@ -829,14 +806,7 @@ async fn writes_of_a_claim_no_longer_current_lock_nothing() {
     let (id, stale, client) = one_claimed_issue(&db, "late").await;
     let lease = CLAIM_LEASE;
     let sql = db.raw().await;
-    for status in ["FAILED", "PENDING"] {
-        sql.execute(
-            "UPDATE issue SET processing_status = $2 WHERE id = $1",
-            &[&id, &status],
-        )
-        .await
-        .unwrap();
-    }
+    move_on(&sql, &[id], &["FAILED", "PENDING"]).await;
     let mut late = db.pool.get().await.unwrap();
     let open = late.transaction().await.unwrap();
     assert!(!heartbeat(&open, id, stale, lease).await.unwrap());
@@ -1461,13 +1431,7 @@ async fn hopeless_claims_write_nothing_and_known_done_ids_skip_the_database() {
     // after they commit: ask until an answer needs no statement at all.
     let (status, _) = post(ids[..3].to_vec()).await;
     assert_eq!(status, StatusCode::ACCEPTED);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        "SELECT count(*) = 4 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &service.hub, 30, 4).await;
     within(30, "a claim answered from what the service knows", async {
         loop {
             let before = claim_path_statements(&db).await.0;
@@ -1530,13 +1494,7 @@ async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
     let (status, answer) = post(ids.clone()).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
     for (remove, add_again) in removals {
-        until_sql(
-            &db,
-            &service.hub,
-            30,
-            "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
-        )
-        .await;
+        until_done_count(&db, &service.hub, 30, 3).await;
         // Known DONE by now, from the listener.
         within(30, "the service to know the issues DONE", async {
             let mut published = service.hub.status();

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{within, TestDb};
+use common::{first_column, move_on, refusal, within, TestDb};
 use newsnack::events::listener::ListenerOptions;
 use newsnack::settings::SettingsCache;
 
@@ -31,19 +31,7 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
     let mut live = hub.subscribe();
 
     // Another system claims every issue, one transaction each.
-    let writer = db.raw().await;
-    let writing = tokio::spawn(async move {
-        for id in ids {
-            writer
-                .execute(
-                    "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
-                    &[&id],
-                )
-                .await
-                .unwrap();
-            tokio::task::yield_now().await;
-        }
-    });
+    let writing = db.claim_one_by_one(ids).await;
 
     // Meanwhile the listener's backend is terminated, again and again.
     let killer_db = db.raw().await;
@@ -88,16 +76,12 @@ async fn subscribers_miss_nothing_and_see_nothing_twice_across_backend_kills() {
     killing.await.unwrap();
 
     let client = db.pool.get().await.unwrap();
-    let logged: Vec<i64> = client
-        .query(
-            "SELECT seq FROM issue_transition WHERE seq > $1 ORDER BY seq",
-            &[&start_seq],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let logged: Vec<i64> = first_column(
+        &client,
+        "SELECT seq FROM issue_transition WHERE seq > $1 ORDER BY seq",
+        &[&start_seq],
+    )
+    .await;
     let seqs: Vec<i64> = seen.iter().map(|t| t.seq).collect();
     assert_eq!(seqs, logged, "exactly the log, in order, once each");
     assert!(
@@ -182,24 +166,14 @@ async fn settings_changes_are_announced_to_the_hub() {
     within(10, "the settings notification", changes.changed())
         .await
         .unwrap();
-    let bad = sql
-        .execute("UPDATE setting SET value='zero' WHERE key='top_k'", &[])
-        .await
-        .unwrap_err();
-    assert!(bad
-        .as_db_error()
-        .unwrap()
-        .message()
-        .contains("whole number"));
-    let unknown = sql
-        .execute("INSERT INTO setting (key, value) VALUES ('nope', '1')", &[])
-        .await
-        .unwrap_err();
-    assert!(unknown
-        .as_db_error()
-        .unwrap()
-        .message()
-        .contains("unknown setting"));
+    let bad = refusal(&sql, "UPDATE setting SET value='zero' WHERE key='top_k'").await;
+    assert!(bad.contains("whole number"));
+    let unknown = refusal(
+        &sql,
+        "INSERT INTO setting (key, value) VALUES ('nope', '1')",
+    )
+    .await;
+    assert!(unknown.contains("unknown setting"));
     assert_eq!(
         db.scalar_i64("SELECT value::bigint FROM setting WHERE key='top_k'")
             .await,
@@ -218,20 +192,9 @@ async fn transitions_committed_during_an_outage_arrive_without_another_one() {
     let ids = db.add_issues(3).await;
     let (hub, stop) = db.listener_with(quick_reconnects()).await;
     let writer = db.raw().await;
-    let admin = db.maintenance().await;
-    let admit =
-        |allowed: bool| format!("ALTER DATABASE \"{}\" ALLOW_CONNECTIONS {allowed}", db.name);
     // The listener loses its session and cannot get a new one.
-    admin.batch_execute(&admit(false)).await.unwrap();
     let mut status = hub.status();
-    let pid = status
-        .borrow()
-        .backend_pid
-        .expect("the listener is connected");
-    admin
-        .execute("SELECT pg_terminate_backend($1)", &[&pid])
-        .await
-        .unwrap();
+    db.cut_off_listener(&hub).await;
     within(
         20,
         "the listener to notice",
@@ -240,15 +203,9 @@ async fn transitions_committed_during_an_outage_arrive_without_another_one() {
     .await
     .unwrap();
     let before = status.borrow().last_seq;
-    writer
-        .execute(
-            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
-            &[&ids],
-        )
-        .await
-        .unwrap();
+    move_on(&writer, &ids, &["IN_PROGRESS"]).await;
     // Back, and then nothing more happens.
-    admin.batch_execute(&admit(true)).await.unwrap();
+    db.admit_sessions(true).await;
     let after = within(
         30,
         "the outage's transitions to be published",

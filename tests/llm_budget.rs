@@ -18,8 +18,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::http::get_json;
 use common::process::ServeProcess;
-use common::{until_sql, until_sql_polled, within, TestDb};
+use common::{first_column, until_sql, until_sql_polled, within, TestDb};
 use futures::future::BoxFuture;
 use newsnack::db::llm_budget::{exchange, CallToQueue, Exchange, ExchangeAnswer};
 use newsnack::model::llm::Priority;
@@ -365,16 +366,12 @@ async fn briefing_articles_pass_a_feed_backlog_on_every_instance() {
     until_done(&db, &a.hub, &all).await;
 
     let client = db.raw().await;
-    let granted: Vec<String> = client
-        .query(
-            "SELECT priority FROM llm_call ORDER BY granted_at, priority = 'feed', claim_id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let granted: Vec<String> = first_column(
+        &client,
+        "SELECT priority FROM llm_call ORDER BY granted_at, priority = 'feed', claim_id",
+        &[],
+    )
+    .await;
     assert_eq!(granted.len(), 23, "one call per article: {granted:?}");
     assert_eq!(
         granted[..6],
@@ -662,12 +659,11 @@ async fn no_call_reaches_the_llm_during_a_pause_and_the_paused_attempt_is_not_co
         value("newsnack_llm_paused_until_seconds") > 0.0,
         "{metrics}"
     );
-    let dashboard: Value = reqwest::get(format!("http://{}/dashboard.json", services[2].addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let dashboard: Value = get_json(
+        &reqwest::Client::new(),
+        &format!("http://{}/dashboard.json", services[2].addr),
+    )
+    .await;
     let pause = &dashboard["llm"]["pause"];
     assert!(pause["reason"].as_str().unwrap().contains("429"), "{pause}");
     assert_eq!(pause["active"], false, "over by now: {pause}");
@@ -729,12 +725,11 @@ async fn tokens_are_stored_as_the_api_reported_them() {
         .await
         .unwrap();
     assert_eq!(briefing.status(), 201);
-    let dashboard: Value = reqwest::get(format!("http://{}/dashboard.json", service.addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let dashboard: Value = get_json(
+        &reqwest::Client::new(),
+        &format!("http://{}/dashboard.json", service.addr),
+    )
+    .await;
     let llm = &dashboard["llm"];
     assert_eq!(
         llm["tokens_today"],
@@ -874,17 +869,13 @@ async fn bad_budget_and_locale_settings_are_refused_with_the_reason() {
 async fn every_time_zone_the_database_accepts_the_service_knows() {
     let db = TestDb::new().await;
     let client = db.raw().await;
-    let names: Vec<String> = client
-        .query(
-            "SELECT name FROM pg_timezone_names
-              WHERE name !~ '^(posix|right)/' AND name NOT IN ('localtime', 'posixrules', 'Factory')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let names: Vec<String> = first_column(
+        &client,
+        "SELECT name FROM pg_timezone_names
+          WHERE name !~ '^(posix|right)/' AND name NOT IN ('localtime', 'posixrules', 'Factory')",
+        &[],
+    )
+    .await;
     assert!(names.len() > 300, "{}", names.len());
     let unknown: Vec<&String> = names
         .iter()

@@ -9,9 +9,10 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use common::process::{Output, ServeProcess};
+use common::http::metric_in;
+use common::process::{self, Output, ServeProcess};
 use common::{within, TestDb};
 use reqwest::StatusCode;
 use serde_json::json;
@@ -55,15 +56,19 @@ async fn requests_answered_and_lost_lines_counted(serve: &ServeProcess, ids: &[i
     .text()
     .await
     .unwrap();
-    let dropped: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("newsnack_log_lines_dropped_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no newsnack_log_lines_dropped_total in {metrics}"));
+    let dropped = metric_in(&metrics, "newsnack_log_lines_dropped_total");
     assert!(
         dropped >= 2.0,
         "the requests' log lines were lost: {dropped}"
     );
+}
+
+/// `serve` as instance `name` on `db`, logging at `info`, its stdout and
+/// stderr going to `output`.
+fn serve_logging_to(db: &TestDb, name: &str, output: Output<'_>) -> ServeProcess {
+    tokio::task::block_in_place(|| {
+        ServeProcess::spawn_writing_to(&db.url, name, &[("RUST_LOG", "info")], output)
+    })
 }
 
 /// Stops `serve` with `signal` and asserts it exits 0 promptly.
@@ -82,14 +87,7 @@ async fn stops_cleanly(mut serve: ServeProcess, signal: libc::c_int) {
 async fn serve_with_its_output_on_a_closed_pipe_answers_and_stops_on_sigterm() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
-    let serve = tokio::task::block_in_place(|| {
-        ServeProcess::spawn_writing_to(
-            &db.url,
-            "closed-pipe",
-            &[("RUST_LOG", "info")],
-            Output::ClosedPipe,
-        )
-    });
+    let serve = serve_logging_to(&db, "closed-pipe", Output::ClosedPipe);
     requests_answered_and_lost_lines_counted(&serve, &ids).await;
     stops_cleanly(serve, libc::SIGTERM).await;
 }
@@ -98,14 +96,7 @@ async fn serve_with_its_output_on_a_closed_pipe_answers_and_stops_on_sigterm() {
 async fn serve_with_its_output_on_a_full_disk_answers_and_stops_on_sigint() {
     let db = TestDb::new().await;
     let ids = db.add_issues(2).await;
-    let serve = tokio::task::block_in_place(|| {
-        ServeProcess::spawn_writing_to(
-            &db.url,
-            "full-disk",
-            &[("RUST_LOG", "info")],
-            Output::File(Path::new("/dev/full")),
-        )
-    });
+    let serve = serve_logging_to(&db, "full-disk", Output::File(Path::new("/dev/full")));
     requests_answered_and_lost_lines_counted(&serve, &ids).await;
     stops_cleanly(serve, libc::SIGINT).await;
 }
@@ -117,9 +108,7 @@ async fn tail_with_its_stderr_on_a_full_disk_stops_on_sigterm() {
         .write(true)
         .open("/dev/full")
         .unwrap();
-    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["tail", "--json", "--since", "0"])
-        .env("DATABASE_URL", &db.url)
+    let mut tail = process::command(&db.url, &["tail", "--json", "--since", "0"])
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

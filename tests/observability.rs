@@ -11,17 +11,16 @@
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use common::{within, TestDb};
+use common::http::{answer, json_body, request};
+use common::writers::FatalFor;
+use common::{offline, within, LogSink, Setup, TestDb};
 use futures::future::{BoxFuture, FutureExt};
 use newsnack::events::hub::EventHub;
 use newsnack::model::status::Status;
-use newsnack::serve::{RunningService, ServeOptions};
-use newsnack::writer::{
-    Article, IssueText, OfflineWriter, SharedWriter, WriteError, WriteErrorKind, Writer,
-};
+use newsnack::serve::RunningService;
+use newsnack::writer::{Article, IssueText, SharedWriter, WriteError, Writer};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Semaphore};
@@ -34,10 +33,6 @@ async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
     TURN.lock().await
 }
 
-fn offline() -> SharedWriter {
-    Arc::new(OfflineWriter) as SharedWriter
-}
-
 /// Starts the service with `api_token`.
 async fn serve_with_token(
     db: &TestDb,
@@ -45,13 +40,11 @@ async fn serve_with_token(
     writer: SharedWriter,
     api_token: Option<&str>,
 ) -> RunningService {
-    let options = ServeOptions {
+    let setup = Setup {
         api_token: api_token.map(str::to_string),
-        ..db.serve_options(instance)
+        ..Setup::default()
     };
-    newsnack::serve::start(options, writer)
-        .await
-        .expect("start the service")
+    db.serve_with(instance, writer, setup).await
 }
 
 /// One answer: status, headers and the body as JSON (`Value::Null` when the
@@ -69,26 +62,16 @@ async fn send(
     authorization: Option<&str>,
     body: Option<&Value>,
 ) -> Answer {
-    let mut request = http.request(method.clone(), url);
-    if let Some(authorization) = authorization {
-        request = request.header(reqwest::header::AUTHORIZATION, authorization);
-    }
+    let authorization = authorization.map(|value| (reqwest::header::AUTHORIZATION, value));
+    let mut request = request(http, &method, url, authorization);
     if let Some(body) = body {
         request = request.json(body);
     }
-    let response = request
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{method} {url}: no response: {e}"));
-    let status = response.status();
-    let headers = response.headers().clone();
-    let text = response.text().await.unwrap();
+    let (status, headers, text) = answer(request, &method, url).await;
     let body = if text.is_empty() {
         Value::Null
     } else {
-        serde_json::from_str(&text).unwrap_or_else(|e| {
-            panic!("{method} {url} answered {status} with non-JSON ({e}): {text:?}")
-        })
+        json_body(&text, &method, url, status)
     };
     Answer {
         status,
@@ -568,17 +551,17 @@ impl Writer for ScriptedWriter {
 
     fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>> {
         async move {
-            if issue.title.starts_with("fatal") {
-                return Err(WriteError::fatal(
-                    WriteErrorKind::BadRequest,
-                    "scripted failure",
-                ));
-            }
             if issue.title.starts_with("hold") {
                 let _ = self.entered.send(issue.id);
                 self.release.acquire().await.unwrap().forget();
             }
-            OfflineWriter.write(issue).await
+            FatalFor {
+                name: "scripted",
+                prefix: "fatal",
+                message: "scripted failure",
+            }
+            .write(issue)
+            .await
         }
         .boxed()
     }
@@ -866,19 +849,6 @@ fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
         logs
     })
     .clone()
-}
-
-struct LogSink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for LogSink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

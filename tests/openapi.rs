@@ -4,6 +4,7 @@ mod common;
 
 use std::sync::Arc;
 
+use common::http::get_json;
 use common::TestDb;
 use newsnack::writer::OfflineWriter;
 
@@ -11,12 +12,11 @@ use newsnack::writer::OfflineWriter;
 async fn the_openapi_document_lists_every_contract_endpoint() {
     let db = TestDb::new().await;
     let service = db.serve("openapi", Arc::new(OfflineWriter)).await;
-    let doc: serde_json::Value = reqwest::get(format!("http://{}/openapi.json", service.addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let doc: serde_json::Value = get_json(
+        &reqwest::Client::new(),
+        &format!("http://{}/openapi.json", service.addr),
+    )
+    .await;
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
     for (path, method) in [
         ("/issues", "post"),

@@ -10,13 +10,12 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::{Command, Output, Stdio};
-use std::sync::Arc;
+use std::process::{Output, Stdio};
 
+use common::http::post_json;
 use common::pgbouncer::PgBouncer;
-use common::{until_sql_polled, within, TestDb};
-use newsnack::serve::ServeOptions;
-use newsnack::writer::OfflineWriter;
+use common::process::{self, text};
+use common::{offline, until_sql_polled, within, Setup, TestDb};
 use serde_json::{json, Value};
 
 async fn bouncer_for(db: &TestDb) -> PgBouncer {
@@ -28,27 +27,14 @@ async fn bouncer_for(db: &TestDb) -> PgBouncer {
 
 /// `newsnack ARGS` with the given database URLs.
 fn newsnack(url: &str, direct: Option<&str>, args: &[&str]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
+    let mut command = process::command(url, args);
     command
-        .args(args)
-        .env("DATABASE_URL", url)
         .env_remove("NEWSNACK_DIRECT_DATABASE_URL")
-        .env_remove("NEWSNACK_LLM_URL")
-        .env("RUST_LOG", "warn");
+        .env_remove("NEWSNACK_LLM_URL");
     if let Some(direct) = direct {
         command.env("NEWSNACK_DIRECT_DATABASE_URL", direct);
     }
     command.output().expect("run newsnack")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
-    let response = http.post(url).json(&body).send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,16 +44,8 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     db.set("lease_s", "2").await;
     let bouncer = bouncer_for(&db).await;
     let pooled = bouncer.url("postgres", &db.name);
-    let service = newsnack::serve::start(
-        ServeOptions {
-            database_url: Some(pooled.clone()),
-            direct_database_url: Some(db.url.clone()),
-            ..db.serve_options("bounced")
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("serve through PgBouncer");
+    let setup = Setup::through_pooler(&pooled, Some(&db.url));
+    let service = db.serve_with("bounced", offline(), setup).await;
     let base = format!("http://{}", service.addr);
     let http = reqwest::Client::new();
     let ready = http.get(format!("{base}/readyz")).send().await.unwrap();
@@ -77,9 +55,7 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     let start = db
         .scalar_i64("SELECT COALESCE(max(seq), 0) FROM issue_transition")
         .await;
-    let mut tail = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(["tail", "--json", "--since", &start.to_string()])
-        .env("DATABASE_URL", &pooled)
+    let mut tail = process::command(&pooled, &["tail", "--json", "--since", &start.to_string()])
         .env("NEWSNACK_DIRECT_DATABASE_URL", &db.url)
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
@@ -102,10 +78,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     };
 
     // Issues, then five overlapping claim requests at once.
-    let (status, added) = post(
+    let (status, added) = post_json(
         &http,
-        format!("{base}/issues"),
-        json!({"issues": (0..20).map(|i| json!({"title": format!("issue {i}"), "score": i})).collect::<Vec<_>>()}),
+        &format!("{base}/issues"),
+        &json!({"issues": (0..20).map(|i| json!({"title": format!("issue {i}"), "score": i})).collect::<Vec<_>>()}),
     )
     .await;
     assert_eq!(status, 201, "{added}");
@@ -115,10 +91,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
             let (http, base) = (http.clone(), base.clone());
             let batch: Vec<i64> = ids[r * 3..r * 3 + 8].to_vec();
             tokio::spawn(async move {
-                post(
+                post_json(
                     &http,
-                    format!("{base}/ai-articles"),
-                    json!({"issue_ids": batch}),
+                    &format!("{base}/ai-articles"),
+                    &json!({"issue_ids": batch}),
                 )
                 .await
             })
@@ -143,10 +119,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     );
 
     // A wait answers on the event, long before its deadline.
-    let (status, waited) = post(
+    let (status, waited) = post_json(
         &http,
-        format!("{base}/waits"),
-        json!({"issue_ids": ids, "timeout_s": 300, "min_completion": 20}),
+        &format!("{base}/waits"),
+        &json!({"issue_ids": ids, "timeout_s": 300, "min_completion": 20}),
     )
     .await;
     assert_eq!(status, 200, "{waited}");
@@ -199,7 +175,7 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     let fresh: Vec<_> = (0..5)
         .map(|i| json!({"title": format!("fresh {i}"), "score": 100 + i}))
         .collect();
-    let (status, _) = post(&http, format!("{base}/issues"), json!({"issues": fresh})).await;
+    let (status, _) = post_json(&http, &format!("{base}/issues"), &json!({"issues": fresh})).await;
     assert_eq!(status, 201);
     let run = newsnack(&pooled, Some(&db.url), &["run-pipeline"]);
     assert_eq!(run.status.code(), Some(0), "{}", text(&run.stderr));
@@ -210,10 +186,10 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
 
     // A schedule set through PgBouncer is heard by the running service:
     // its scheduler runs the new issue's pipeline.
-    let (status, _) = post(
+    let (status, _) = post_json(
         &http,
-        format!("{base}/issues"),
-        json!({"issues": [{"title": "for the schedule", "score": 1000}]}),
+        &format!("{base}/issues"),
+        &json!({"issues": [{"title": "for the schedule", "score": 1000}]}),
     )
     .await;
     assert_eq!(status, 201);
@@ -245,16 +221,9 @@ async fn without_the_direct_url_the_service_is_not_ready_and_says_why() {
     let db = TestDb::new().await;
     let bouncer = bouncer_for(&db).await;
     let pooled = bouncer.url("postgres", &db.name);
-    let service = newsnack::serve::start(
-        ServeOptions {
-            database_url: Some(pooled.clone()),
-            direct_database_url: None,
-            ..db.serve_options("misconfigured")
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("serve starts, and says what is wrong");
+    // Serve starts, and says what is wrong.
+    let setup = Setup::through_pooler(&pooled, None);
+    let service = db.serve_with("misconfigured", offline(), setup).await;
     let ready = reqwest::get(format!("http://{}/readyz", service.addr))
         .await
         .unwrap();

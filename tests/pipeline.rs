@@ -8,12 +8,15 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::Arc;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::process::ServeProcess;
-use common::{until_sql, until_sql_polled, within, TestDb};
+use common::http::get_json;
+use common::process::{self, ServeProcess};
+use common::{
+    first_column, refusal, until_done_count, until_sql, until_sql_polled, within, Setup, TestDb,
+};
 use newsnack::briefing::run::Trigger;
 use newsnack::writer::OfflineWriter;
 
@@ -23,11 +26,7 @@ fn newsnack(db: &TestDb, args: &[&str], llm: Option<&str>) -> Output {
 
 /// Runs the binary on the database at `url`.
 fn newsnack_at(url: &str, args: &[&str], llm: Option<&str>) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
-    command
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn");
+    let mut command = process::command(url, args);
     if let Some(url) = llm {
         command.env("NEWSNACK_LLM_URL", url);
     }
@@ -87,19 +86,15 @@ async fn a_run_retries_its_own_targets_only() {
     let db = TestDb::new().await;
     db.set("retry_backoff_ms", "1").await;
     let sql = db.raw().await;
-    let old: Vec<i64> = sql
-        .query(
-            "INSERT INTO issue (title, body, score, collected_at)
+    let old: Vec<i64> = first_column(
+        &sql,
+        "INSERT INTO issue (title, body, score, collected_at)
              SELECT 'Last week ' || g, 'Old news.', 100, now() - interval '7 days'
                FROM generate_series(1, 10) g
              RETURNING id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     db.move_with_sql(&old, &["IN_PROGRESS", "FAILED"]).await;
     let before = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
     let fresh = scored_issues(&db, &[1.0, 2.0, 3.0]).await;
@@ -333,13 +328,7 @@ async fn today_newsnack_uses_exactly_the_given_ids_or_says_which_are_not_done() 
         .await
         .unwrap();
     assert_eq!(claimed.status(), 202);
-    until_sql(
-        &db,
-        &service.hub,
-        30,
-        "SELECT count(*) = 3 FROM issue WHERE processing_status = 'DONE'",
-    )
-    .await;
+    until_done_count(&db, &service.hub, 30, 3).await;
 
     let conflict = http
         .post(format!("{base}/today-newsnack"))
@@ -380,14 +369,7 @@ async fn today_newsnack_uses_exactly_the_given_ids_or_says_which_are_not_done() 
     assert_eq!(made.status(), 201);
     let made: serde_json::Value = made.json().await.unwrap();
     assert_eq!(made["issue_ids"], serde_json::json!([ids[2], ids[0]]));
-    let latest: serde_json::Value = http
-        .get(format!("{base}/briefings/latest"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let latest: serde_json::Value = get_json(&http, &format!("{base}/briefings/latest")).await;
     assert_eq!(latest["id"], made["briefing_id"]);
     let doc = latest["body"].as_str().unwrap();
     assert!(doc.contains("Story scored 3") && doc.contains("Story scored 1"));
@@ -433,18 +415,12 @@ async fn a_setting_changed_with_sql_changes_the_next_scheduled_run() {
     )
     .await
     .unwrap();
-    let bad = sql
-        .execute(
-            "UPDATE setting SET value = 'whenever' WHERE key = 'schedule'",
-            &[],
-        )
-        .await
-        .unwrap_err();
-    assert!(bad
-        .as_db_error()
-        .unwrap()
-        .message()
-        .contains("cron expression"));
+    let bad = refusal(
+        &sql,
+        "UPDATE setting SET value = 'whenever' WHERE key = 'schedule'",
+    )
+    .await;
+    assert!(bad.contains("cron expression"));
     service.stop().await.unwrap();
 }
 
@@ -457,17 +433,7 @@ async fn a_late_instance_leaves_a_tick_that_already_has_a_run_alone() {
     let db = TestDb::new().await;
     scored_issues(&db, &[1.0]).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let core = newsnack::serve::Core::start(
-        &db.database(),
-        "late",
-        4,
-        Arc::new(OfflineWriter),
-        std::time::Duration::from_secs(1),
-        newsnack::generation::retry::RetryScope::everything(),
-        &shutdown,
-    )
-    .await
-    .unwrap();
+    let core = db.core("late", &shutdown).await;
     let tick = time::macros::datetime!(2026-11-30 06:00:00 UTC);
     let sql = db.raw().await;
     let first: i64 = sql
@@ -619,11 +585,8 @@ async fn run_pipeline_in_flight(
     llm: &str,
 ) -> std::process::Child {
     let ids = scored_issues(db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;
-    let child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .arg("run-pipeline")
-        .env("DATABASE_URL", &db.url)
+    let child = process::command(&db.url, &["run-pipeline"])
         .env("NEWSNACK_LLM_URL", llm)
-        .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -1016,13 +979,7 @@ async fn a_run_whose_last_commit_answer_is_lost_reports_what_it_recorded() {
         .unwrap();
     assert_eq!(run.get::<_, String>(0), "all_pass");
     assert_eq!(run.get::<_, Option<i64>>(1), Some(briefing_id));
-    let briefings: Vec<Vec<i64>> = sql
-        .query("SELECT issue_ids FROM briefing", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let briefings: Vec<Vec<i64>> = first_column(&sql, "SELECT issue_ids FROM briefing", &[]).await;
     assert_eq!(briefings, vec![ids.clone()]);
 }
 
@@ -1067,15 +1024,16 @@ async fn a_scheduled_run_stopped_by_a_shutdown_publishes_what_was_done() {
     let writer = NeverFor {
         never: ids[..2].to_vec(),
     };
-    let service = newsnack::serve::start(
-        newsnack::serve::ServeOptions {
-            grace: std::time::Duration::from_millis(200),
-            ..db.serve_options("restarting")
-        },
-        Arc::new(writer),
-    )
-    .await
-    .unwrap();
+    let service = db
+        .serve_with(
+            "restarting",
+            Arc::new(writer),
+            Setup {
+                grace: Some(std::time::Duration::from_millis(200)),
+                ..Setup::default()
+            },
+        )
+        .await;
     db.set("schedule", "every 1s").await;
     until_sql(
         &db,
@@ -1087,17 +1045,12 @@ async fn a_scheduled_run_stopped_by_a_shutdown_publishes_what_was_done() {
     .await;
     service.stop().await.unwrap();
     let row = db
-        .pool
-        .get()
-        .await
-        .unwrap()
         .query_one(
             "SELECT r.outcome, r.completed, b.issue_ids
                FROM pipeline_run r LEFT JOIN briefing b ON b.id = r.briefing_id",
             &[],
         )
-        .await
-        .unwrap();
+        .await;
     let hottest_three: Vec<i64> = ids[2..].iter().rev().copied().collect();
     assert_eq!(row.get::<_, String>(0), "timeout_pass");
     assert_eq!(row.get::<_, Vec<i64>>(1), hottest_three);

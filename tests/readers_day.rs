@@ -6,9 +6,7 @@
 
 mod common;
 
-use std::process::Command;
-
-use common::TestDb;
+use common::{process, TestDb};
 use newsnack::settings::schedule::Schedule;
 use time::OffsetDateTime;
 
@@ -33,19 +31,8 @@ async fn a_pipeline_run_dates_and_titles_its_briefing_in_the_readers_zone() {
     db.set("content_gen_min_completion", "1").await;
     db.add_issues(2).await;
 
-    let out = tokio::task::block_in_place(|| {
-        Command::new(env!("CARGO_BIN_EXE_newsnack"))
-            .arg("run-pipeline")
-            .env("DATABASE_URL", &db.url)
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap()
-    });
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = tokio::task::block_in_place(|| process::newsnack(&db.url, &["run-pipeline"]));
+    assert!(out.status.success(), "{}", process::text(&out.stderr));
     let after = OffsetDateTime::now_utc();
 
     let client = db.raw().await;

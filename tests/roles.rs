@@ -9,9 +9,8 @@
 
 mod common;
 
-use std::process::{Command, Output};
-
-use common::{within, TestDb};
+use common::process::{newsnack, text};
+use common::{first_column, within, TestDb};
 use futures::StreamExt;
 use newsnack::db::migrate::{migrate, migrate_up_to};
 use newsnack::db::role::{self, GrantError, RoleKind};
@@ -145,10 +144,9 @@ impl Owned {
     /// Every privilege `role` holds on the schema's tables, columns,
     /// sequences and the schema, by any path, sorted.
     async fn privileges_of(&self, role: &str) -> Vec<String> {
-        self.admin()
-            .await
-            .query(
-                "SELECT x FROM (
+        first_column(
+            &self.admin().await,
+            "SELECT x FROM (
                      SELECT format('%s %s', p, c.relname) x
                        FROM pg_class c,
                             unnest(ARRAY['SELECT','INSERT','UPDATE','DELETE','TRUNCATE','REFERENCES','TRIGGER']) p
@@ -171,13 +169,9 @@ impl Owned {
                      SELECT format('%s schema', p) FROM unnest(ARRAY['USAGE','CREATE']) p
                       WHERE has_schema_privilege($1::name, 'public', p)
                  ) s ORDER BY x",
-                &[&role],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect()
+            &[&role],
+        )
+        .await
     }
 
     /// Every access control list of the schema, its tables, columns and
@@ -1040,16 +1034,12 @@ async fn the_row_triggers_name_nothing_a_caller_can_shadow() {
     }
     let statuses = ["IN_PROGRESS", "FAILED", "PENDING", "IN_PROGRESS", "DONE"];
     assert_eq!(announced, statuses.map(|s| (id, s.to_string())).to_vec());
-    let logged: Vec<String> = owner
-        .query(
-            "SELECT to_status FROM public.issue_transition WHERE issue_id = $1 AND from_status IS NOT NULL ORDER BY seq",
-            &[&id],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    let logged: Vec<String> = first_column(
+        &owner,
+        "SELECT to_status FROM public.issue_transition WHERE issue_id = $1 AND from_status IS NOT NULL ORDER BY seq",
+        &[&id],
+    )
+    .await;
     assert_eq!(logged, statuses);
 }
 
@@ -1524,19 +1514,6 @@ async fn grant_quotes_any_role_name() {
     assert_eq!(owned.privileges_of(&role).await, writer_privileges());
     let w = owned.connect_as(&role).await;
     add_issue(&w, "still here").await;
-}
-
-fn newsnack(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run newsnack")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 #[tokio::test]

@@ -27,10 +27,9 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 
-use common::{until_status, TestDb};
-use newsnack::writer::OfflineWriter;
+use common::http::get_json;
+use common::{offline, process, until_status, Setup, TestDb};
 use serde_json::json;
 
 /// The Schemathesis release the suite is checked against.
@@ -77,30 +76,17 @@ fn schemathesis() -> PathBuf {
 /// A service with a token and data in it: one published pipeline run, an
 /// issue failed with its error, issues pending.
 async fn service_with_data(db: &TestDb) -> newsnack::serve::RunningService {
-    let service = newsnack::serve::start(
-        newsnack::serve::ServeOptions {
-            api_token: Some(TOKEN.into()),
-            ..db.serve_options("schemathesis")
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("start the service");
+    let service = db
+        .serve_with("schemathesis", offline(), Setup::with_token(TOKEN))
+        .await;
     // Waits that name no timeout last the setting's, not ten minutes.
     db.set("content_gen_timeout_s", "2").await;
     db.add_issues(8).await;
-    let run = tokio::task::block_in_place(|| {
-        Command::new(env!("CARGO_BIN_EXE_newsnack"))
-            .arg("run-pipeline")
-            .env("DATABASE_URL", &db.url)
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap()
-    });
+    let run = tokio::task::block_in_place(|| process::newsnack(&db.url, &["run-pipeline"]));
     assert!(
         run.status.success(),
         "run-pipeline: {}",
-        String::from_utf8_lossy(&run.stderr)
+        process::text(&run.stderr)
     );
     // `top_k` (5) of the 8 were generated and published; of the rest, one
     // fails for good, two stay pending.
@@ -134,7 +120,7 @@ async fn the_openapi_document_holds_against_schemathesis() {
     let url = format!("http://{}/openapi.json", service.addr);
 
     // A document Schemathesis can read, with the bearer scheme on writes.
-    let doc: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+    let doc: serde_json::Value = get_json(&reqwest::Client::new(), &url).await;
     assert_eq!(
         doc["paths"]["/ai-articles"]["post"]["security"],
         json!([{ "bearer": [] }])

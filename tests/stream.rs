@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{within, TestDb};
+use common::{first_column, within, TestDb};
 use newsnack::model::status::Status;
 use tokio_postgres::Client;
 
@@ -32,16 +32,12 @@ async fn until_blocked(observer: &Client, pid: i32) {
 
 /// Reads `seq > last` like a naive follower would.
 async fn read_after(client: &Client, table: &str, last: i64) -> Vec<i64> {
-    client
-        .query(
-            &format!("SELECT seq FROM {table} WHERE seq > $1 ORDER BY seq"),
-            &[&last],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    first_column(
+        client,
+        &format!("SELECT seq FROM {table} WHERE seq > $1 ORDER BY seq"),
+        &[&last],
+    )
+    .await
 }
 
 #[tokio::test]
@@ -140,21 +136,7 @@ async fn stream_after_gives_history_then_live_without_gaps_or_repeats() {
     let ids = db.add_issues(30).await;
     let (hub, stop) = db.listener().await;
     let mut stream = hub.stream_after(0, None);
-    let writer = db.raw().await;
-    let claim = tokio::spawn({
-        let ids = ids.clone();
-        async move {
-            for id in ids {
-                writer
-                    .execute(
-                        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
-                        &[&id],
-                    )
-                    .await
-                    .unwrap();
-            }
-        }
-    });
+    let claim = db.claim_one_by_one(ids.clone()).await;
     let mut seqs = Vec::new();
     let mut claimed = Vec::new();
     within(30, "60 transitions", async {

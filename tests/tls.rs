@@ -9,29 +9,24 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::Arc;
 
+use common::http::{get_json, post_json};
+use common::process::{self, text};
 use common::subscribers::Recording;
 use common::tls::{self, TlsCluster};
-use common::TestDb;
+use common::{Setup, TestDb};
 use newsnack::db::tls::{SessionSecurity, Verification};
-use newsnack::serve::ServeOptions;
 use newsnack::writer::OfflineWriter;
 use serde_json::{json, Value};
 
 fn newsnack(url: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_newsnack"))
-        .args(args)
-        .env("DATABASE_URL", url)
+    process::command(url, args)
         .env_remove("NEWSNACK_DIRECT_DATABASE_URL")
         .env("RUST_LOG", "error")
         .output()
         .expect("run newsnack")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 fn verify_full(cluster: &TlsCluster, database: &str) -> String {
@@ -61,31 +56,14 @@ async fn the_whole_service_runs_over_verify_full_against_a_tls_only_server() {
     let migrated = newsnack(&url, &["migrate"]);
     assert!(migrated.status.success(), "{}", text(&migrated.stderr));
 
-    let service = newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.clone()),
-            direct_database_url: None,
-            instance: "tls".into(),
-            pool_size: 8,
-            grace: std::time::Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        Arc::new(OfflineWriter),
-    )
-    .await
-    .expect("serve over verify-full");
+    let small_pool = Setup {
+        pool_size: Some(8),
+        ..Setup::default()
+    };
+    let service = common::start_service(&url, "tls", Arc::new(OfflineWriter), small_pool).await;
     let base = format!("http://{}", service.addr);
     let http = reqwest::Client::new();
-    let ready: Value = http
-        .get(format!("{base}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: Value = get_json(&http, &format!("{base}/readyz")).await;
     let verified = json!({ "encrypted": true, "verified": "chain_and_host" });
     assert_eq!(
         ready["sessions"],
@@ -101,15 +79,12 @@ async fn the_whole_service_runs_over_verify_full_against_a_tls_only_server() {
     let issues: Vec<Value> = (0..5)
         .map(|i| json!({"title": format!("issue {i}")}))
         .collect();
-    let added: Value = http
-        .post(format!("{base}/issues"))
-        .json(&json!({ "issues": issues }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, added) = post_json(
+        &http,
+        &format!("{base}/issues"),
+        &json!({ "issues": issues }),
+    )
+    .await;
     let claim = http
         .post(format!("{base}/ai-articles"))
         .json(&json!({ "issue_ids": added["ids"] }))
@@ -117,15 +92,12 @@ async fn the_whole_service_runs_over_verify_full_against_a_tls_only_server() {
         .await
         .unwrap();
     assert_eq!(claim.status(), 202);
-    let waited: Value = http
-        .post(format!("{base}/waits"))
-        .json(&json!({ "issue_ids": added["ids"], "timeout_s": 300 }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, waited) = post_json(
+        &http,
+        &format!("{base}/waits"),
+        &json!({ "issue_ids": added["ids"], "timeout_s": 300 }),
+    )
+    .await;
     assert_eq!(waited["outcome"], "all_pass", "{waited}");
     assert_eq!(waited["completed"], added["ids"]);
     // 5 new, 5 claimed, 5 done: the tail saw all 15, in order, once each.
@@ -251,16 +223,7 @@ async fn a_client_certificate_logs_in_where_pg_hba_asks_for_one() {
         .connect()
         .await
         .unwrap();
-    admin
-        .batch_execute(
-            "DO $$ BEGIN
-                 IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'certuser') THEN
-                     CREATE ROLE certuser LOGIN;
-                 END IF;
-             END $$",
-        )
-        .await
-        .unwrap();
+    common::login_role(&admin, "certuser").await;
     let (cert, key) = cluster.client_cert();
     let as_certuser = |extra: String| {
         format!(

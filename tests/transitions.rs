@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{within, TestDb};
+use common::{first_column, move_on, refusal, within, TestDb};
 use newsnack::generation::machine::IssueMachine;
 use newsnack::model::status::Status;
 
@@ -107,13 +107,7 @@ async fn raw_sql_transition_reaches_a_subscriber_with_from_to_and_seq() {
     let (hub, stop) = db.listener().await;
     let mut live = hub.subscribe();
     let other = db.raw().await;
-    other
-        .execute(
-            "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
-            &[&id],
-        )
-        .await
-        .unwrap();
+    move_on(&other, &[id], &["IN_PROGRESS"]).await;
     let t = within(10, "the transition", live.recv()).await.unwrap();
     let logged: i64 = other
         .query_one(
@@ -162,18 +156,12 @@ async fn illegal_raw_sql_is_rejected_and_changes_nothing() {
         before
     );
 
-    let err = other
-        .execute(
-            "INSERT INTO issue (title, processing_status) VALUES ('x', 'DONE')",
-            &[],
-        )
-        .await
-        .unwrap_err();
-    assert!(err
-        .as_db_error()
-        .unwrap()
-        .message()
-        .contains("must start PENDING"));
+    let err = refusal(
+        &other,
+        "INSERT INTO issue (title, processing_status) VALUES ('x', 'DONE')",
+    )
+    .await;
+    assert!(err.contains("must start PENDING"));
     let err = other
         .execute(
             "UPDATE issue SET processing_status='SOMETHING' WHERE id=$1",
@@ -578,17 +566,13 @@ async fn migration_11_brings_claims_already_out_of_reach_back() {
         ids.push(id);
     }
     migrate(&mut sql).await.unwrap();
-    let seconds_left: Vec<f64> = sql
-        .query(
-            "SELECT extract(epoch FROM lease_until - now())::float8 FROM issue
+    let seconds_left: Vec<f64> = first_column(
+        &sql,
+        "SELECT extract(epoch FROM lease_until - now())::float8 FROM issue
               WHERE id = ANY($1) ORDER BY id",
-            &[&ids],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[&ids],
+    )
+    .await;
     // The default lease (60 s) for the first three; the sound one kept.
     for (lease, left) in leases.iter().zip(&seconds_left[..3]) {
         assert!((50.0..=70.0).contains(left), "{lease}: {left}");
@@ -732,14 +716,7 @@ async fn a_lease_counts_from_the_claims_commit() {
         .unwrap()
         .get(0);
     // Claimed and finished in the same transaction: no lease to move.
-    for status in ["IN_PROGRESS", "DONE"] {
-        tx.execute(
-            "UPDATE issue SET processing_status = $2 WHERE id = $1",
-            &[&finished, &status],
-        )
-        .await
-        .unwrap();
-    }
+    move_on(&tx, &[finished], &["IN_PROGRESS", "DONE"]).await;
     // The client is slow: its transaction stays open past the lease.
     tx.execute("SELECT pg_sleep(2.5)", &[]).await.unwrap();
     tx.commit().await.unwrap();

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{until_published, within, TestDb};
+use common::{until_published, within, Apart, GeneratorApart, TestDb};
 use newsnack::briefing::wait::{smart_wait, ArmedWait, WaitError, WaitOutcome, WaitRequest};
 use newsnack::db::DbError;
 use newsnack::events::listener::ListenerOptions;
@@ -76,18 +76,15 @@ async fn a_failed_log_read_does_not_end_a_wait() {
     let sql = db.raw().await;
     let ids = in_progress(&db, &sql, 3).await;
     let pool = db.pool_of_one(Duration::from_millis(100));
-    let stop = CancellationToken::new();
-    let (hub, _task) = newsnack::events::listener::Listener::start(
-        db.endpoint.clone(),
-        pool.clone(),
-        ListenerOptions {
-            capacity: 8,
-            ..ListenerOptions::default()
-        },
-        stop.clone(),
-    )
-    .await
-    .unwrap();
+    let (hub, stop) = db
+        .listener_on(
+            pool.clone(),
+            ListenerOptions {
+                capacity: 8,
+                ..ListenerOptions::default()
+            },
+        )
+        .await;
     let armed = ArmedWait::arm(&hub, request(&ids, Duration::from_secs(600), 3))
         .await
         .unwrap();
@@ -134,23 +131,8 @@ async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip(
     let (hub, stop) = db.listener().await;
     // A session in the pool for the wait's reads, opened while it still can.
     drop(hub.pool().get().await.unwrap());
-    let name: String = sql
-        .query_one("SELECT current_database()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let admit = |allowed: bool| format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS {allowed}");
-    // A database's own sessions cannot close it to new ones.
-    let admin = db.maintenance().await;
-    admin.batch_execute(&admit(false)).await.unwrap();
     let mut status = hub.status();
-    let pid = status
-        .borrow()
-        .backend_pid
-        .expect("the listener is connected");
-    sql.query_one("SELECT pg_terminate_backend($1)", &[&pid])
-        .await
-        .unwrap();
+    let pid = db.cut_off_listener(&hub).await;
     within(20, "the listener to notice", async {
         status
             .wait_for(|s| s.backend_pid != Some(pid))
@@ -167,7 +149,7 @@ async fn a_listener_that_is_behind_at_the_deadline_does_not_turn_done_into_skip(
         set_status(&sql, id, "DONE").await;
     }
     let report = within(30, "the deadline", armed.outcome(&CancellationToken::new())).await;
-    admin.batch_execute(&admit(true)).await.unwrap();
+    db.admit_sessions(true).await;
     let report = report.unwrap();
     assert_eq!(report.outcome, WaitOutcome::AllPass, "{report:?}");
     assert_eq!(report.completed, ids);
@@ -560,18 +542,21 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
     let db = TestDb::new().await;
     let sql = db.raw().await;
     let ids = in_progress(&db, &sql, 1).await;
-    let (hub, stop) = db.listener().await;
-    let settings = Arc::new(newsnack::settings::SettingsCache::new(
-        db.pool.clone(),
-        hub.settings_changed(),
-    ));
-    let (_generator, generator) = newsnack::generation::worker::Generator::new(
-        db.pool.clone(),
-        Arc::new(newsnack::writer::OfflineWriter),
-        settings.clone(),
-        hub.settings_changed(),
-        Duration::from_secs(1),
-    );
+    let GeneratorApart {
+        hub,
+        stop,
+        settings,
+        handle,
+        ..
+    } = db
+        .generator_apart(
+            Arc::new(newsnack::writer::OfflineWriter),
+            Apart {
+                grace: Some(Duration::from_secs(1)),
+                ..Apart::default()
+            },
+        )
+        .await;
     let shutdown = CancellationToken::new();
     shutdown.cancel();
     let app = newsnack::http::router(newsnack::http::Services {
@@ -583,7 +568,7 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
             1,
         ),
         done: newsnack::claims::known_done::DoneIssues::follow(&hub, stop.clone()),
-        generator,
+        generator: handle,
         settings,
         shutdown,
         api_token: None,

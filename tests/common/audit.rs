@@ -452,48 +452,42 @@ pub fn compare_sequences(expected: &[i64], seen: &[i64]) -> Vec<String> {
     for &seq in seen {
         *counts.entry(seq).or_default() += 1;
     }
-    let missing: Vec<i64> = expected
-        .iter()
-        .copied()
-        .filter(|seq| !counts.contains_key(seq))
-        .collect();
-    if !missing.is_empty() {
-        problems.push(format!(
-            "missed {} transition(s), first seq {}",
-            missing.len(),
-            missing[0]
-        ));
-    }
-    let repeated: Vec<i64> = counts
-        .iter()
-        .filter(|(_, &n)| n > 1)
-        .map(|(&seq, _)| seq)
-        .collect();
-    if !repeated.is_empty() {
-        problems.push(format!(
-            "saw {} transition(s) more than once, first seq {}",
-            repeated.len(),
-            repeated[0]
-        ));
-    }
+    note(
+        &mut problems,
+        expected
+            .iter()
+            .copied()
+            .filter(|seq| !counts.contains_key(seq)),
+        |n, first| format!("missed {n} transition(s), first seq {first}"),
+    );
+    note(
+        &mut problems,
+        counts.iter().filter(|(_, &n)| n > 1).map(|(&seq, _)| seq),
+        |n, first| format!("saw {n} transition(s) more than once, first seq {first}"),
+    );
     let logged: BTreeSet<i64> = expected.iter().copied().collect();
-    let unknown: Vec<i64> = counts
-        .keys()
-        .copied()
-        .filter(|seq| !logged.contains(seq))
-        .collect();
-    if !unknown.is_empty() {
-        problems.push(format!(
-            "saw {} seq(s) that are not in the log after its start, first {}",
-            unknown.len(),
-            unknown[0]
-        ));
-    }
+    note(
+        &mut problems,
+        counts.keys().copied().filter(|seq| !logged.contains(seq)),
+        |n, first| format!("saw {n} seq(s) that are not in the log after its start, first {first}"),
+    );
     // (A repeat right after itself is reported as a repeat, not as disorder.)
     if let Some(pair) = seen.windows(2).find(|w| w[1] < w[0]) {
         problems.push(format!("out of order: seq {} after {}", pair[1], pair[0]));
     }
     problems
+}
+
+/// Adds `say(how many, the first)` to `problems` when `found` holds any.
+fn note(
+    problems: &mut Vec<String>,
+    found: impl IntoIterator<Item = i64>,
+    say: impl Fn(usize, i64) -> String,
+) {
+    let found: Vec<i64> = found.into_iter().collect();
+    if let Some(&first) = found.first() {
+        problems.push(say(found.len(), first));
+    }
 }
 
 /// One row of the log, as the wait rules need it.

@@ -8,22 +8,27 @@
 pub mod audit;
 pub mod fake_llm;
 pub mod gate;
+pub mod http;
 pub mod pgbouncer;
 pub mod process;
 pub mod python;
 pub mod subscribers;
 pub mod tls;
+pub mod writers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::events::hub::EventHub;
 use newsnack::events::listener::{Listener, ListenerOptions};
-use newsnack::serve::{RunningService, ServeOptions};
-use newsnack::writer::SharedWriter;
+use newsnack::generation::retry::RetryScope;
+use newsnack::generation::worker::{Generator, GeneratorHandle};
+use newsnack::serve::{Core, RunningService, ServeOptions};
+use newsnack::settings::SettingsCache;
+use newsnack::writer::{OfflineWriter, SharedWriter};
 use tokio_postgres::{Client, NoTls};
 use tokio_util::sync::CancellationToken;
 
@@ -235,22 +240,106 @@ impl TestDb {
         client
     }
 
+    /// Lets new sessions into this database, or turns them away (from the
+    /// maintenance database: a database's own sessions cannot close it to
+    /// new ones).
+    pub async fn admit_sessions(&self, allowed: bool) {
+        self.maintenance()
+            .await
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" ALLOW_CONNECTIONS {allowed}",
+                self.name
+            ))
+            .await
+            .unwrap();
+    }
+
+    /// Cuts the listener of `hub` off: no new session is let into this
+    /// database, and the listener's own session is ended. Returns that
+    /// session's pid; [`TestDb::admit_sessions`] lets it back.
+    pub async fn cut_off_listener(&self, hub: &EventHub) -> i32 {
+        self.admit_sessions(false).await;
+        let pid = hub
+            .status()
+            .borrow()
+            .backend_pid
+            .expect("the listener is connected");
+        self.maintenance()
+            .await
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .unwrap();
+        pid
+    }
+
     /// Starts a listener; cancel the token to stop it.
     pub async fn listener(&self) -> (EventHub, CancellationToken) {
         self.listener_with(ListenerOptions::default()).await
     }
 
     pub async fn listener_with(&self, options: ListenerOptions) -> (EventHub, CancellationToken) {
+        self.listener_on(self.pool.clone(), options).await
+    }
+
+    /// Starts a listener whose reads of the log go through `pool` (a pool
+    /// the test holds busy, or reaches through a gate); cancel the token to
+    /// stop it.
+    pub async fn listener_on(
+        &self,
+        pool: DbPool,
+        options: ListenerOptions,
+    ) -> (EventHub, CancellationToken) {
         let token = CancellationToken::new();
-        let (hub, _task) = Listener::start(
-            self.endpoint.clone(),
-            self.pool.clone(),
-            options,
-            token.clone(),
+        let (hub, _task) = Listener::start(self.endpoint.clone(), pool, options, token.clone())
+            .await
+            .expect("start listener");
+        (hub, token)
+    }
+
+    /// The service's core on this database (its listener, settings,
+    /// claimer, generator and retries, four sessions, the offline writer,
+    /// a grace of one second) without the HTTP API, the lease reaper or the
+    /// scheduler: for a test that drives those parts itself. It stops when
+    /// `shutdown` is cancelled.
+    pub async fn core(&self, instance: &str, shutdown: &CancellationToken) -> Core {
+        Core::start(
+            &self.database(),
+            instance,
+            4,
+            Arc::new(OfflineWriter),
+            Duration::from_secs(1),
+            RetryScope::everything(),
+            shutdown,
         )
         .await
-        .expect("start listener");
-        (hub, token)
+        .expect("start the service's core")
+    }
+
+    /// A generator writing with `writer`, with a listener and settings of
+    /// its own, started apart from the service for a test that puts
+    /// something between it and the database (see [`Apart`]). Its `run` is
+    /// the test's to spawn.
+    pub async fn generator_apart(&self, writer: SharedWriter, apart: Apart) -> GeneratorApart {
+        let pool = apart.pool.unwrap_or_else(|| self.pool.clone());
+        let generator_pool = apart.generator_pool.unwrap_or_else(|| pool.clone());
+        let (hub, stop) = self
+            .listener_on(pool.clone(), ListenerOptions::default())
+            .await;
+        let settings = Arc::new(SettingsCache::new(pool, hub.settings_changed()));
+        let (generator, handle) = Generator::new(
+            generator_pool,
+            writer,
+            settings.clone(),
+            hub.settings_changed(),
+            apart.grace.unwrap_or(Duration::from_secs(5)),
+        );
+        GeneratorApart {
+            hub,
+            stop,
+            settings,
+            generator,
+            handle,
+        }
     }
 
     /// Adds `n` issues titled `issue N` and returns their ids.
@@ -275,25 +364,21 @@ impl TestDb {
         ids
     }
 
-    /// Starts the whole service in-process on a free port, with `writer`.
+    /// Starts the whole service in-process on a free port, with `writer`:
+    /// the plain service every test starts unless it says otherwise.
     pub async fn serve(&self, instance: &str, writer: SharedWriter) -> RunningService {
-        newsnack::serve::start(self.serve_options(instance), writer)
-            .await
-            .expect("start the service")
+        self.serve_with(instance, writer, Setup::default()).await
     }
 
-    /// What [`TestDb::serve`] starts the service with.
-    pub fn serve_options(&self, instance: &str) -> ServeOptions {
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(self.url.clone()),
-            direct_database_url: None,
-            instance: instance.into(),
-            pool_size: 16,
-            grace: Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        }
+    /// Starts the whole service on this database as [`TestDb::serve`] does,
+    /// but for what `setup` changes.
+    pub async fn serve_with(
+        &self,
+        instance: &str,
+        writer: SharedWriter,
+        setup: Setup,
+    ) -> RunningService {
+        start_service(&self.url, instance, writer, setup).await
     }
 
     /// Sets a runtime setting through SQL, as an operator would.
@@ -308,15 +393,25 @@ impl TestDb {
     /// as another system would.
     pub async fn move_with_sql(&self, ids: &[i64], statuses: &[&str]) {
         let client = self.pool.get().await.unwrap();
-        for status in statuses {
-            client
-                .execute(
-                    "UPDATE issue SET processing_status = $2 WHERE id = ANY($1)",
-                    &[&ids, status],
-                )
-                .await
-                .unwrap();
-        }
+        move_on(&**client, ids, statuses).await
+    }
+
+    /// Another system claims each of `ids` with raw SQL, one transaction
+    /// each, in a task of its own that yields between them.
+    pub async fn claim_one_by_one(&self, ids: Vec<i64>) -> tokio::task::JoinHandle<()> {
+        let writer = self.raw().await;
+        tokio::spawn(async move {
+            for id in ids {
+                writer
+                    .execute(
+                        "UPDATE issue SET processing_status='IN_PROGRESS' WHERE id=$1",
+                        &[&id],
+                    )
+                    .await
+                    .unwrap();
+                tokio::task::yield_now().await;
+            }
+        })
     }
 
     /// Turns on `pg_stat_statements` in this database (the cluster preloads
@@ -349,23 +444,58 @@ impl TestDb {
 
     /// The first column of every row of a query, as ids.
     pub async fn ids(&self, sql: &str) -> Vec<i64> {
+        first_column(&self.pool.get().await.unwrap(), sql, &[]).await
+    }
+
+    /// The one row `sql` returns, read through the pool.
+    pub async fn query_one(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> tokio_postgres::Row {
         let client = self.pool.get().await.unwrap();
-        let rows = client.query(sql, &[]).await.unwrap();
-        rows.iter().map(|r| r.get(0)).collect()
+        client
+            .query_one(sql, params)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
     /// The issues `instance` holds `IN_PROGRESS` now: those it strands when
     /// it is killed.
     pub async fn held_by(&self, instance: &str) -> Vec<i64> {
-        let client = self.pool.get().await.unwrap();
-        let rows = client
-            .query(
-                "SELECT id FROM issue WHERE processing_status = 'IN_PROGRESS' AND claimed_by = $1",
-                &[&instance],
-            )
-            .await
-            .unwrap();
-        rows.iter().map(|r| r.get(0)).collect()
+        first_column(
+            &self.pool.get().await.unwrap(),
+            "SELECT id FROM issue WHERE processing_status = 'IN_PROGRESS' AND claimed_by = $1",
+            &[&instance],
+        )
+        .await
+    }
+
+    /// SIGKILLs `victim` once it has finished `done` issues, while it is
+    /// still generating others, and returns the issues it stranded.
+    pub async fn kill_mid_generation(
+        &self,
+        hub: &EventHub,
+        victim: &mut process::ServeProcess,
+        done: i64,
+    ) -> Vec<i64> {
+        until_sql(
+            self,
+            hub,
+            60,
+            &format!(
+                "SELECT count(*) >= {done} FROM issue WHERE processing_status = 'DONE' AND claimed_by = '{}'",
+                victim.name
+            ),
+        )
+        .await;
+        victim.kill();
+        let stranded = self.held_by(&victim.name).await;
+        assert!(
+            !stranded.is_empty(),
+            "the kill must catch the victim mid-generation"
+        );
+        stranded
     }
 
     /// Asserts that every issue a killed `instance` held came back: through
@@ -399,11 +529,8 @@ impl TestDb {
 
     /// An issue's status, for assertions.
     pub async fn status_of(&self, id: i64) -> String {
-        let client = self.pool.get().await.unwrap();
-        client
-            .query_one("SELECT processing_status FROM issue WHERE id = $1", &[&id])
+        self.query_one("SELECT processing_status FROM issue WHERE id = $1", &[&id])
             .await
-            .unwrap()
             .get(0)
     }
 
@@ -414,38 +541,214 @@ impl TestDb {
     }
 }
 
+/// What a generator started apart ([`TestDb::generator_apart`]) reaches the
+/// database through; each field left `None` keeps the test database's own
+/// pool and a grace of five seconds.
+#[derive(Default)]
+pub struct Apart {
+    /// Every session of the parts (the listener's reads, the settings, the
+    /// generator's writes) goes through this pool.
+    pub pool: Option<DbPool>,
+    /// Only the generator's sessions go through this pool.
+    pub generator_pool: Option<DbPool>,
+    /// How long a started generation may finish after `stop`.
+    pub grace: Option<Duration>,
+}
+
+/// A generator not yet running, its handle, and the listener and settings
+/// it was started with; cancel `stop` to end them.
+pub struct GeneratorApart {
+    pub hub: EventHub,
+    pub stop: CancellationToken,
+    pub settings: Arc<SettingsCache>,
+    pub generator: Generator,
+    pub handle: GeneratorHandle,
+}
+
+/// What a test's service is started with beyond the plain one
+/// ([`TestDb::serve`]); each field left `None` keeps the plain value.
+#[derive(Clone, Debug, Default)]
+pub struct Setup {
+    /// Non-read requests need `Authorization: Bearer <token>`.
+    pub api_token: Option<String>,
+    /// The service's sessions go through this URL (a pooler, a gate)
+    /// instead of the database's own.
+    pub pooled_url: Option<String>,
+    /// A URL that reaches the database directly, for the listener and the
+    /// advisory locks, when `pooled_url` goes through a transaction pooler.
+    pub direct_url: Option<String>,
+    /// The size of the service's pool (16).
+    pub pool_size: Option<usize>,
+    /// How long unfinished generations may finish after shutdown (5 s).
+    pub grace: Option<Duration>,
+    /// Unfinished claims held before new requests are turned away.
+    pub max_backlog: Option<usize>,
+}
+
+impl Setup {
+    /// The service's sessions go through the pooler at `pooled_url`; the
+    /// listener's and the locks' through `direct_url` (`None`: the pooled
+    /// URL serves both, as a misconfigured service would have it).
+    pub fn through_pooler(pooled_url: &str, direct_url: Option<&str>) -> Setup {
+        Setup {
+            pooled_url: Some(pooled_url.to_string()),
+            direct_url: direct_url.map(str::to_string),
+            ..Setup::default()
+        }
+    }
+
+    /// Non-read requests need `Authorization: Bearer <token>`.
+    pub fn with_token(token: &str) -> Setup {
+        Setup {
+            api_token: Some(token.to_string()),
+            ..Setup::default()
+        }
+    }
+
+    /// The options `newsnack serve` gets for instance `instance` on the
+    /// database at `database_url`.
+    pub fn options(self, database_url: &str, instance: &str) -> ServeOptions {
+        ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            database_url: Some(self.pooled_url.unwrap_or_else(|| database_url.to_string())),
+            direct_database_url: self.direct_url,
+            instance: instance.into(),
+            pool_size: self.pool_size.unwrap_or(16),
+            grace: self.grace.unwrap_or(Duration::from_secs(5)),
+            api_token: self.api_token,
+            max_backlog: self
+                .max_backlog
+                .unwrap_or(ServeOptions::DEFAULT_MAX_BACKLOG),
+        }
+    }
+}
+
+/// Starts the whole service in-process on a free port, on the database at
+/// `database_url` (one that is not a [`TestDb`]'s: a TLS server's, one the
+/// test restarts), with `writer` and `setup`.
+pub async fn start_service(
+    database_url: &str,
+    instance: &str,
+    writer: SharedWriter,
+    setup: Setup,
+) -> RunningService {
+    newsnack::serve::start(setup.options(database_url, instance), writer)
+        .await
+        .expect("start the service")
+}
+
+/// Where a test process's own log lines go when a test captures them: a
+/// buffer shared with the test, appended to.
+pub struct LogSink(pub Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The writer that needs no LLM, as the service's.
+pub fn offline() -> SharedWriter {
+    Arc::new(OfflineWriter) as SharedWriter
+}
+
+/// The first column of every row `sql` returns.
+pub async fn first_column<T>(
+    client: &Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Vec<T>
+where
+    T: for<'a> tokio_postgres::types::FromSql<'a>,
+{
+    client
+        .query(sql, params)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// Moves issues `ids` through `statuses` with raw SQL on `client` (another
+/// system's session, or a transaction the test keeps open), one statement
+/// per step.
+pub async fn move_on(client: &impl tokio_postgres::GenericClient, ids: &[i64], statuses: &[&str]) {
+    for status in statuses {
+        client
+            .execute(
+                "UPDATE issue SET processing_status = $2 WHERE id = ANY($1)",
+                &[&ids, status],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("move {ids:?} to {status}: {e}"));
+    }
+}
+
+/// The message the database refuses `sql` with; fails if it runs.
+pub async fn refusal(client: &Client, sql: &str) -> String {
+    let err = client
+        .execute(sql, &[])
+        .await
+        .expect_err(&format!("refused: {sql}"));
+    err.as_db_error()
+        .unwrap_or_else(|| panic!("{sql}: not refused by the database: {err}"))
+        .message()
+        .to_string()
+}
+
+/// Creates the login role `role` unless it exists (roles are the
+/// server's, shared by every test database).
+pub async fn login_role(client: &Client, role: &str) {
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+                 IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN
+                     CREATE ROLE {role} LOGIN;
+                 END IF;
+             END $$"
+        ))
+        .await
+        .unwrap();
+}
+
 /// Waits until `check` (a query returning one boolean) is true, re-checking
 /// whenever a transition is announced. Fails after `secs` seconds.
 pub async fn until_sql(db: &TestDb, hub: &EventHub, secs: u64, sql: &str) {
-    let mut live = hub.subscribe();
-    within(secs, sql, async {
-        loop {
-            let client = db.pool.get().await.unwrap();
-            let done: bool = client.query_one(sql, &[]).await.unwrap().get(0);
-            drop(client);
-            if done {
-                return;
-            }
-            // Re-check on the next transition (or a lag notice).
-            let _ = live.recv().await;
-        }
-    })
-    .await
+    until_true(db, secs, sql, Some(hub.subscribe())).await
 }
 
 /// Waits until `check` (a query returning one boolean) is true, asking
 /// every 50 ms: for a state no transition announces (a lock taken, a
 /// session opened). Fails after `secs` seconds.
 pub async fn until_sql_polled(db: &TestDb, secs: u64, sql: &str) {
+    until_true::<()>(db, secs, sql, None).await
+}
+
+/// Asks `sql` (one boolean) until it is true: again on the next message of
+/// `live` (or a lag notice), or after 50 ms without one. Fails after
+/// `secs` seconds.
+async fn until_true<T: Clone>(
+    db: &TestDb,
+    secs: u64,
+    sql: &str,
+    mut live: Option<tokio::sync::broadcast::Receiver<T>>,
+) {
     within(secs, sql, async {
         loop {
-            let client = db.pool.get().await.unwrap();
-            let done: bool = client.query_one(sql, &[]).await.unwrap().get(0);
-            drop(client);
+            let done: bool = db.query_one(sql, &[]).await.get(0);
             if done {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            match live.as_mut() {
+                Some(live) => drop(live.recv().await),
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
         }
     })
     .await
@@ -458,6 +761,17 @@ pub async fn until_status(db: &TestDb, hub: &EventHub, secs: u64, id: i64, statu
         hub,
         secs,
         &format!("SELECT processing_status = '{status}' FROM issue WHERE id = {id}"),
+    )
+    .await
+}
+
+/// Waits until exactly `n` issues are `DONE` (see [`until_sql`]).
+pub async fn until_done_count(db: &TestDb, hub: &EventHub, secs: u64, n: usize) {
+    until_sql(
+        db,
+        hub,
+        secs,
+        &format!("SELECT count(*) = {n} FROM issue WHERE processing_status = 'DONE'"),
     )
     .await
 }
@@ -506,16 +820,12 @@ pub async fn rows_read_for_real(client: &Client, table: &str, statement: &str) -
 /// indexes, every loop counted: from `EXPLAIN (ANALYZE, FORMAT JSON)`, so
 /// run for real, inside a transaction that is rolled back.
 pub async fn rows_read(client: &Client, table: &str, statement: &str) -> f64 {
-    let indexes: Vec<String> = client
-        .query(
-            "SELECT indexname::text FROM pg_indexes WHERE tablename = $1",
-            &[&table],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let indexes: Vec<String> = first_column(
+        client,
+        "SELECT indexname::text FROM pg_indexes WHERE tablename = $1",
+        &[&table],
+    )
+    .await;
     client.batch_execute("BEGIN").await.unwrap();
     let plan: serde_json::Value = client
         .query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {statement}"), &[])

@@ -1,4 +1,5 @@
-//! `newsnack serve` as a child process, for tests that need real processes:
+//! The `newsnack` binary as a child process: one command run to its end
+//! ([`newsnack`]), and `newsnack serve` for tests that need real processes:
 //! SIGKILL, SIGTERM, several instances on one database, memory per
 //! instance, output that cannot be written. The address it serves on is
 //! read from its stdout (or chosen beforehand, when its stdout goes where
@@ -11,6 +12,33 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+/// `newsnack ARGS`, logging warnings only, with no database named: the
+/// one way tests start the binary. A test changes what it needs on the
+/// command returned (its environment, its pipes) before running it.
+pub fn binary(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
+    command.args(args).env("RUST_LOG", "warn");
+    command
+}
+
+/// `newsnack ARGS` on the database at `database_url` (see [`binary`]).
+pub fn command(database_url: &str, args: &[&str]) -> Command {
+    let mut command = binary(args);
+    command.env("DATABASE_URL", database_url);
+    command
+}
+
+/// Runs `newsnack ARGS` on the database at `database_url` to its end.
+/// Blocking: from a multi-threaded test, call it from `block_in_place`.
+pub fn newsnack(database_url: &str, args: &[&str]) -> std::process::Output {
+    command(database_url, args).output().expect("run newsnack")
+}
+
+/// A command's output as text.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
 
 /// Where a `serve` started by [`ServeProcess::spawn_writing_to`] writes its
 /// stdout and stderr.
@@ -37,9 +65,7 @@ impl ServeProcess {
     /// free loopback port, with `env` on top (e.g. `NEWSNACK_LLM_URL`), and
     /// returns once it is serving. Blocking: call it from `block_in_place`.
     pub fn spawn(database_url: &str, name: &str, env: &[(&str, &str)]) -> ServeProcess {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-            .arg("serve")
-            .env("DATABASE_URL", database_url)
+        let mut child = command(database_url, &["serve"])
             .env("NEWSNACK_LISTEN", "127.0.0.1:0")
             .env("NEWSNACK_INSTANCE", name)
             .env("RUST_LOG", "warn")
@@ -75,10 +101,8 @@ impl ServeProcess {
         env: &[(&str, &str)],
         output: Output<'_>,
     ) -> ServeProcess {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_newsnack"));
+        let mut command = command(database_url, &["serve"]);
         command
-            .arg("serve")
-            .env("DATABASE_URL", database_url)
             .env("NEWSNACK_INSTANCE", name)
             .envs(env.iter().copied())
             .stdin(Stdio::null());

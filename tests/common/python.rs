@@ -58,27 +58,32 @@ pub fn venv(name: &str, requirements: &[&str]) -> PathBuf {
             "installing {requirements:?} into {} (cached for later runs)",
             dir.display()
         );
-        let made = Command::new(python)
-            .args(["-m", "venv"])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            made.status.success(),
-            "python3 -m venv failed: {} (on Debian: apt-get install python3-venv)",
-            String::from_utf8_lossy(&made.stderr)
+        run_or_fail(
+            Command::new(python).args(["-m", "venv"]).arg(&dir),
+            |stderr| {
+                format!(
+                    "python3 -m venv failed: {stderr} (on Debian: apt-get install python3-venv)"
+                )
+            },
         );
-        let installed = Command::new(dir.join("bin/pip"))
-            .args(["install", "--quiet", "--disable-pip-version-check"])
-            .args(requirements)
-            .output()
-            .unwrap();
-        assert!(
-            installed.status.success(),
-            "pip install {requirements:?} failed: {}",
-            String::from_utf8_lossy(&installed.stderr)
+        run_or_fail(
+            Command::new(dir.join("bin/pip"))
+                .args(["install", "--quiet", "--disable-pip-version-check"])
+                .args(requirements),
+            |stderr| format!("pip install {requirements:?} failed: {stderr}"),
         );
         std::fs::write(&done, requirements.join("\n")).unwrap();
     }
     dir.join("bin")
+}
+
+/// Runs `command` to its end, failing with `failed(its stderr)` unless it
+/// succeeds.
+fn run_or_fail(command: &mut Command, failed: impl FnOnce(String) -> String) {
+    let out = command.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        failed(String::from_utf8_lossy(&out.stderr).into_owned())
+    );
 }

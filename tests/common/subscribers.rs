@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -158,14 +158,15 @@ impl Recording {
     /// Follows `newsnack tail --json --since AFTER_SEQ` as a child process.
     pub fn follow_tail(name: &str, database_url: &str, after_seq: i64) -> Recording {
         let (mut recording, recorder, _) = Recording::new(name, after_seq);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_newsnack"))
-            .args(["tail", "--json", "--since", &after_seq.to_string()])
-            .env("DATABASE_URL", database_url)
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start newsnack tail");
+        let mut child = super::process::command(
+            database_url,
+            &["tail", "--json", "--since", &after_seq.to_string()],
+        )
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start newsnack tail");
         let stdout = child.stdout.take().expect("piped stdout");
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
