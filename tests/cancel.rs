@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::{until_sql, until_sql_polled, TestDb};
-use newsnack::serve::ServeOptions;
 use newsnack::writer::{self, SharedWriter, WriterConfig};
 use serde_json::{json, Value};
 
@@ -202,19 +201,14 @@ async fn failing_articles_in_flight_with_plain_sql_drops_their_calls() {
         let took = at.saturating_duration_since(committed);
         assert!(took < Duration::from_secs(1), "dropped after {took:?}");
     }
-    let metrics = reqwest::get(format!("http://{}/metrics", service.addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
     // The process's count (other tests of this file count into it too).
-    let cancelled: u64 = metrics
-        .lines()
-        .find_map(|line| line.strip_prefix("newsnack_generations_cancelled_total "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{metrics}"));
-    assert!(cancelled >= 8, "{metrics}");
+    let cancelled = common::http::metric(
+        &reqwest::Client::new(),
+        &format!("http://{}", service.addr),
+        "newsnack_generations_cancelled_total",
+    )
+    .await;
+    assert!(cancelled >= 8.0, "{cancelled}");
     service.stop().await.unwrap();
     assert_eq!(
         db.scalar_i64("SELECT count(*) FROM ai_article").await,
@@ -231,12 +225,12 @@ async fn failing_articles_in_flight_with_plain_sql_drops_their_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_endpoint_and_the_command_cancel_within_the_legal_transitions() {
     let db = TestDb::new().await;
-    let options = ServeOptions {
+    let setup = common::Setup {
         api_token: Some("secret".into()),
-        ..db.serve_options("cancel-api")
+        ..common::Setup::default()
     };
     let offline: SharedWriter = std::sync::Arc::new(writer::OfflineWriter);
-    let service = newsnack::serve::start(options, offline).await.unwrap();
+    let service = db.serve_with("cancel-api", offline, setup).await;
     let http = reqwest::Client::new();
     let cancel = |id: i64, token: Option<&'static str>| {
         let mut request = http.post(format!("http://{}/issues/{id}/cancel", service.addr));
@@ -363,18 +357,12 @@ async fn claim_all_with_token(http: &reqwest::Client, addr: std::net::SocketAddr
 
 /// The process's `newsnack_completions_deferred_total`.
 async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
-    let text = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix("newsnack_completions_deferred_total "))
-        .unwrap_or_else(|| panic!("no newsnack_completions_deferred_total in:\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
+    common::http::metric(
+        &reqwest::Client::new(),
+        &format!("http://{addr}"),
+        "newsnack_completions_deferred_total",
+    )
+    .await
 }
 
 /// An answer that arrived before the cancel, its recording held up by a
