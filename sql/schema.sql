@@ -94,7 +94,8 @@ ALTER TABLE @extschema@.ai_article
 CREATE INDEX ai_article_created_at_brin ON @extschema@.ai_article USING brin (created_at);
 
 -- Which settings exist, their defaults and their bounds (for the text
--- kinds, `min_value` and `max_value` bound the length in characters).
+-- kinds, `min_value` and `max_value` bound the length in characters; a
+-- `phrase_list` holds phrases separated by `|`).
 CREATE TABLE @extschema@.setting_spec (
     key           text PRIMARY KEY,
     default_value text NOT NULL,
@@ -103,7 +104,13 @@ CREATE TABLE @extschema@.setting_spec (
     description   text NOT NULL,
     kind          text NOT NULL DEFAULT 'integer'
                   CONSTRAINT setting_spec_kind_valid
-                  CHECK (kind IN ('integer', 'schedule', 'prompt', 'prompt_template', 'time_zone', 'title_template'))
+                  CHECK (kind IN ('integer', 'schedule', 'prompt', 'prompt_template', 'time_zone', 'title_template',
+                                  'choice', 'phrase_list')),
+    -- What a `choice` may be (NULL for every other kind).
+    choices       text[],
+    -- A choice, and only a choice, lists what it may be.
+    CONSTRAINT setting_spec_choices_valid
+        CHECK ((kind = 'choice') = (choices IS NOT NULL AND cardinality(choices) > 0))
 );
 
 -- The runtime settings, checked and announced by their triggers.
@@ -606,6 +613,7 @@ DECLARE
     problem text;
     missing text;
     canonical text;
+    phrases text[];
 BEGIN
     SELECT * INTO spec FROM @extschema@.setting_spec WHERE key = NEW.key;
     IF NOT FOUND THEN
@@ -636,6 +644,32 @@ BEGIN
                 NEW.value, NEW.key USING ERRCODE = 'check_violation';
         END IF;
         NEW.value := canonical;
+        RETURN NEW;
+    END IF;
+    IF spec.kind = 'choice' THEN
+        NEW.value := lower(NEW.value);
+        IF NOT NEW.value = ANY (spec.choices) THEN
+            RAISE EXCEPTION 'setting "%" must be one of %, got "%"',
+                NEW.key, array_to_string(spec.choices, ', '), NEW.value USING ERRCODE = 'check_violation';
+        END IF;
+        RETURN NEW;
+    END IF;
+    IF spec.kind = 'phrase_list' THEN
+        IF char_length(NEW.value) > spec.max_value THEN
+            RAISE EXCEPTION 'setting "%" may be at most % characters long, got %',
+                NEW.key, spec.max_value, char_length(NEW.value) USING ERRCODE = 'check_violation';
+        END IF;
+        IF NEW.value = '' THEN
+            RETURN NEW;
+        END IF;
+        -- Each phrase trimmed; an empty one would match every answer.
+        SELECT array_agg(btrim(p) ORDER BY n) INTO phrases
+          FROM unnest(string_to_array(NEW.value, '|')) WITH ORDINALITY AS t(p, n);
+        IF '' = ANY (phrases) THEN
+            RAISE EXCEPTION 'setting "%" holds an empty phrase (a | at an end, or two with nothing between them), which would match every answer; separate non-empty phrases with |',
+                NEW.key USING ERRCODE = 'check_violation';
+        END IF;
+        NEW.value := array_to_string(phrases, '|');
         RETURN NEW;
     END IF;
     IF spec.kind IN ('prompt', 'prompt_template', 'title_template') THEN
@@ -1031,6 +1065,31 @@ INSERT INTO @extschema@.setting_spec (key, default_value, min_value, max_value, 
     ('briefing_title', 'newsnack — {date}', 1, 500,
      'the briefing''s title: a template with {date} or {date:FORMAT} (%Y %m %-m %d %-d %B %b %A %a %%)',
      'title_template');
+INSERT INTO @extschema@.setting_spec (key, default_value, min_value, max_value, description, kind, choices) VALUES
+    ('llm_fallback_for', 'briefing', 0, 0,
+     'LLM: which calls go to the fallback provider while the primary is down: briefing, all or none',
+     'choice', '{briefing,all,none}'),
+    ('llm_daily_token_budget', '0', 0, 1000000000000,
+     'LLM: prompt plus completion tokens per day (in the timezone setting''s time zone) across every instance and provider (0: unlimited)',
+     'integer', NULL),
+    ('llm_briefing_reserve_tokens', '0', 0, 1000000000000,
+     'LLM: the part of the daily token budget only briefing calls may use',
+     'integer', NULL),
+    ('article_headline_max_chars', '120', 1, 10000,
+     'answer checks: the longest headline, in user-perceived characters after Unicode NFC',
+     'integer', NULL),
+    ('article_body_min_chars', '1', 1, 1000000,
+     'answer checks: the shortest body, in user-perceived characters after Unicode NFC',
+     'integer', NULL),
+    ('article_body_max_chars', '20000', 1, 1000000,
+     'answer checks: the longest body, in user-perceived characters after Unicode NFC',
+     'integer', NULL),
+    ('article_reject_phrases', '', 0, 16000,
+     'answer checks: phrases separated by |, matched case-insensitively, that reject an answer (e.g. a refusal); empty: none',
+     'phrase_list', NULL),
+    ('article_script', 'any', 0, 0,
+     'answer checks: any, or hangul (at least half of the body''s letters are Hangul)',
+     'choice', '{any,hangul}');
 
 -- Every setting at its default.
 INSERT INTO @extschema@.setting (key, value) SELECT key, default_value FROM @extschema@.setting_spec;

@@ -62,6 +62,13 @@ const LLM_PAUSED: &str = "newsnack_llm_paused";
 const LLM_PAUSED_UNTIL: &str = "newsnack_llm_paused_until_seconds";
 const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
 const LOG_LINES_DROPPED: &str = "newsnack_log_lines_dropped_total";
+const ARTICLES_REJECTED: &str = "newsnack_articles_rejected_total";
+const GENERATIONS_CANCELLED: &str = "newsnack_generations_cancelled_total";
+
+/// The checks an answer can fail, as `newsnack_articles_rejected_total`
+/// labels them (`crate::writer::checks::Check`, whose tests hold the two
+/// alike).
+pub const ARTICLE_CHECKS: [&str; 4] = ["headline_length", "body_length", "reject_phrase", "script"];
 
 /// Log lines dropped so far: counted here, where a failing log write can
 /// count without touching the recorder (which may itself log), and copied
@@ -189,6 +196,18 @@ fn describe_and_register() {
         counter!(CLAIMS, "result" => result).increment(0);
     }
     counter!(LISTENER_RECONNECTS).increment(0);
+    describe_counter!(
+        ARTICLES_REJECTED,
+        "LLM answers that failed a check before they were stored, by check"
+    );
+    for check in ARTICLE_CHECKS {
+        counter!(ARTICLES_REJECTED, "check" => check).increment(0);
+    }
+    describe_counter!(
+        GENERATIONS_CANCELLED,
+        "Generations abandoned because their issue left IN_PROGRESS under them (cancelled, or failed with plain SQL)"
+    );
+    counter!(GENERATIONS_CANCELLED).increment(0);
     counter!(UNVERIFIED_NOTIFICATIONS).increment(0);
     counter!(COMPLETIONS_DEFERRED).increment(0);
     counter!(AUTH_REJECTIONS).increment(0);
@@ -281,6 +300,18 @@ pub fn llm_tokens(usage: crate::model::llm::TokenUsage) {
             counter!(LLM_TOKENS, "kind" => kind).increment(tokens.max(0) as u64);
         }
     }
+}
+
+/// An answer failed the check labelled `check` (one of [`ARTICLE_CHECKS`]).
+pub fn article_rejected(check: &'static str) {
+    let _ = install();
+    counter!(ARTICLES_REJECTED, "check" => check).increment(1);
+}
+
+/// A generation was abandoned: its issue left `IN_PROGRESS` under it.
+pub fn generation_cancelled() {
+    let _ = install();
+    counter!(GENERATIONS_CANCELLED).increment(1);
 }
 
 /// An LLM call waits for the shared budget until the guard is dropped.

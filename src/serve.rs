@@ -193,6 +193,8 @@ impl Core {
             let (budget, agent) = LlmBudget::start(pool.clone(), &hub, settings.clone(), instance);
             generator = generator.sharing(budget, agent);
         }
+        let generator =
+            generator.abandoning(hub.stream_after(hub.status().borrow().last_seq, None));
         let mut tasks = JoinSet::new();
         tasks.spawn(async move {
             let _ = listener_task.await;

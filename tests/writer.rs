@@ -86,6 +86,10 @@ async fn a_good_answer_becomes_headline_and_body() {
                 prompt_tokens: Some(1),
                 completion_tokens: Some(1),
             },
+            // The answer as it came, for a second request.
+            answer:
+                "**Council passes 2025 budget**\n\nThe council voted 7 to 2.\n\nSpending rises."
+                    .into(),
         }
     );
 

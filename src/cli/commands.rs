@@ -298,6 +298,22 @@ pub(super) async fn retry(database: &db::Database, ids: &[i64]) -> Result<ExitCo
     })
 }
 
+pub(super) async fn cancel(database: &db::Database, ids: &[i64]) -> Result<ExitCode, CliError> {
+    input::check_ids("ids", ids)?;
+    let pool = open(database).await?;
+    let mut client = pool.get().await.map_err(DbError::from)?;
+    let outcome = db::issue::cancel(&mut client, ids).await?;
+    println!(
+        "{}",
+        serde_json::to_string(&outcome).expect("a cancel outcome is JSON")
+    );
+    Ok(if outcome.cancelled.is_empty() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
 pub(super) async fn settings(
     database: &db::Database,
     cmd: SettingsCommand,

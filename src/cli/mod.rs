@@ -75,6 +75,15 @@ pub enum Command {
         #[arg(required = true, num_args = 1..)]
         ids: Vec<i64>,
     },
+    /// Cancel issues: each ends FAILED with last_error "cancelled" and no
+    /// automatic retry (`retry` brings it back); an article being written
+    /// is abandoned on whichever instance writes it. Prints
+    /// {"cancelled":[..],"done":[..],"unknown":[..]}; exit code 1 when
+    /// none was cancelled.
+    Cancel {
+        #[arg(required = true, num_args = 1..)]
+        ids: Vec<i64>,
+    },
     /// Read and change runtime settings (take effect without a restart).
     #[command(subcommand)]
     Settings(SettingsCommand),
@@ -265,6 +274,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Status => commands::status(&database("newsnack-cli")?).await,
         Command::Issues(cmd) => commands::issues(&database("newsnack-cli")?, cmd).await,
         Command::Retry { ids } => commands::retry(&database("newsnack-cli")?, &ids).await,
+        Command::Cancel { ids } => commands::cancel(&database("newsnack-cli")?, &ids).await,
         Command::Settings(cmd) => commands::settings(&database("newsnack-cli")?, cmd).await,
         Command::Wait { ids, timeout, min } => {
             commands::wait(&database("newsnack-cli")?, ids, timeout, min).await

@@ -122,6 +122,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "less per write",
         sql: include_str!("../../sql/0021_less_per_write.sql"),
     },
+    Migration {
+        version: 25,
+        name: "answer settings",
+        sql: include_str!("../../sql/0025_answer_settings.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

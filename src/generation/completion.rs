@@ -30,6 +30,10 @@ pub enum Generated {
     /// The claim was lost (reaped or re-claimed) before the outcome was
     /// written; nothing was written.
     ClaimLost,
+    /// The issue left `IN_PROGRESS` while the writer worked (cancelled, or
+    /// failed with plain SQL): the writer's call was dropped, nothing was
+    /// written.
+    Abandoned,
     /// Shutdown came before an LLM slot did: nothing was written, and the
     /// generator releases the claim.
     NotStarted,

@@ -13,6 +13,14 @@
 //! The outcome is recorded fenced by the claim
 //! ([`crate::generation::completion`]).
 //!
+//! An issue that leaves `IN_PROGRESS` under its generation (cancelled with
+//! `newsnack cancel` or `POST /issues/{id}/cancel`, or failed with plain
+//! SQL) is abandoned as soon as the transition arrives from the listener,
+//! confirmed by one read of the claim: the writer's future is dropped
+//! (reqwest closes the connection, so the LLM's request ends) and with it
+//! its LLM slot, given back to the budget at once. An answer that came
+//! first is kept out by the claim's fence when it is recorded.
+//!
 //! On shutdown the generator stops taking work, lets in-flight generations
 //! finish within a grace period, and releases the rest as `FAILED` with
 //! reason `shutdown` (they are retried by whichever instance remains). Those
@@ -24,18 +32,21 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, Semaphore, SemaphorePermit};
+use tokio::sync::{mpsc, Notify, Semaphore, SemaphorePermit};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::claims::claim::release_claims;
 use crate::db::issue::{self, ClaimedIssue};
 use crate::db::{DbError, DbPool};
+use crate::events::stream::TransitionStream;
 use crate::generation::budget::{BudgetAgent, CallSlot, LlmBudget};
 use crate::generation::completion::{record_outcome, record_unrecorded, Completer, Generated};
 use crate::model::llm::Priority;
+use crate::model::status::Status;
 use crate::settings::{Settings, SettingsCache};
-use crate::writer::{Article, IssueText, SharedWriter, WriteError};
+use crate::writer::checks::ArticleChecks;
+use crate::writer::{Article, IssueText, SharedWriter, WriteError, Writer};
 
 /// A claimed issue for the generator, with the class its LLM call waits in
 /// (`None`: the class the issue was last asked for at).
@@ -100,6 +111,9 @@ pub struct Generator {
     /// The budget shared with every instance, for a writer that calls an
     /// LLM, and the agent that talks to it.
     shared: Option<(LlmBudget, BudgetAgent)>,
+    /// Every transition, to abandon generations whose issue left
+    /// `IN_PROGRESS` under them.
+    transitions: Option<TransitionStream>,
 }
 
 /// Where a generation gets the right to call its writer.
@@ -161,6 +175,7 @@ impl Generator {
                 backlog: backlog.clone(),
                 grace,
                 shared: None,
+                transitions: None,
             },
             GeneratorHandle {
                 queue: tx,
@@ -174,6 +189,14 @@ impl Generator {
     /// instance shares (see [`LlmBudget::start`]).
     pub fn sharing(mut self, budget: LlmBudget, agent: BudgetAgent) -> Generator {
         self.shared = Some((budget, agent));
+        self
+    }
+
+    /// Makes the generator abandon a generation whose issue leaves
+    /// `IN_PROGRESS` under it, as `transitions` (every issue's, from now
+    /// on) tells.
+    pub fn abandoning(mut self, transitions: TransitionStream) -> Generator {
+        self.transitions = Some(transitions);
         self
     }
 
@@ -194,19 +217,28 @@ impl Generator {
         let mut capacity = initial;
         let mut inflight: JoinSet<()> = JoinSet::new();
         let mut claims: HashMap<tokio::task::Id, InFlight> = HashMap::new();
+        // The generations of each issue (one, but for a moment after a
+        // claim was lost and the issue claimed here again).
+        let mut by_issue: HashMap<i64, Vec<tokio::task::Id>> = HashMap::new();
+        let mut transitions = self.transitions.take();
+        let mut recent_exits = RecentExits::default();
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
                 Some(done) = inflight.join_next_with_id(), if !inflight.is_empty() => {
                     let id = match &done { Ok((id, _)) => *id, Err(e) => e.id() };
-                    claims.remove(&id);
+                    if let Some(task) = claims.remove(&id) {
+                        forget_task(&mut by_issue, task.claim.0, id);
+                    }
                     self.backlog.fetch_sub(1, Ordering::SeqCst);
                 }
                 Some((claimed, priority)) = self.queue.recv() => {
+                    let attempts = claimed.attempts;
                     let in_flight = InFlight {
                         claim: (claimed.id, claimed.claim_id),
                         start: Arc::default(),
+                        left_in_progress: Arc::default(),
                     };
                     let task = inflight.spawn(generate(
                         Generation {
@@ -219,9 +251,32 @@ impl Generator {
                         claimed,
                         priority,
                         in_flight.start.clone(),
+                        in_flight.left_in_progress.clone(),
                     ));
+                    by_issue.entry(in_flight.claim.0).or_default().push(task.id());
+                    // Left IN_PROGRESS before the claim reached the queue?
+                    if recent_exits.seen(in_flight.claim.0, attempts) {
+                        in_flight.left_in_progress.notify_one();
+                    }
                     claims.insert(task.id(), in_flight);
                 }
+                next = async { transitions.as_mut().expect("guarded").next_through_outages().await }, if transitions.is_some() => match next {
+                    Ok(t) if t.from == Some(Status::InProgress) => {
+                        recent_exits.remember(t.issue_id, t.attempts);
+                        for task in by_issue.get(&t.issue_id).into_iter().flatten() {
+                            if let Some(task) = claims.get(task) {
+                                task.left_in_progress.notify_one();
+                            }
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        // The listener stopped (shutdown): the heartbeat
+                        // still finds lost claims.
+                        tracing::warn!(error = %e, "generator lost its transition stream");
+                        transitions = None;
+                    }
+                },
                 // The budget reads `generation_concurrency` itself.
                 Ok(()) = self.settings_changed.changed(), if agent.is_none() => {
                     if let Ok(settings) = self.settings.get().await {
@@ -279,10 +334,49 @@ impl Generator {
     }
 }
 
-/// A generation task's claim, and whether it has begun.
+/// A generation task's claim, whether it has begun, and how it learns that
+/// its issue left `IN_PROGRESS`.
 struct InFlight {
     claim: (i64, i64),
     start: Arc<Start>,
+    left_in_progress: Arc<Notify>,
+}
+
+/// The last transitions out of `IN_PROGRESS` seen (issue, attempts as of
+/// it), for a claim that reaches the generator after its issue left
+/// `IN_PROGRESS` again (cancelled at once).
+#[derive(Default)]
+struct RecentExits(std::collections::VecDeque<(i64, i32)>);
+
+impl RecentExits {
+    /// How many are remembered.
+    const KEPT: usize = 4096;
+
+    fn remember(&mut self, issue: i64, attempts: i32) {
+        if self.0.len() == Self::KEPT {
+            self.0.pop_front();
+        }
+        self.0.push_back((issue, attempts));
+    }
+
+    /// Whether the claim of `issue` that made `attempts` may have ended.
+    fn seen(&self, issue: i64, attempts: i32) -> bool {
+        self.0.contains(&(issue, attempts))
+    }
+}
+
+/// Takes task `task` of issue `issue` out of the index.
+fn forget_task(
+    by_issue: &mut HashMap<i64, Vec<tokio::task::Id>>,
+    issue: i64,
+    task: tokio::task::Id,
+) {
+    if let Some(tasks) = by_issue.get_mut(&issue) {
+        tasks.retain(|t| *t != task);
+        if tasks.is_empty() {
+            by_issue.remove(&issue);
+        }
+    }
 }
 
 /// Whether a generation has begun its writer call: decided once, by the
@@ -400,12 +494,14 @@ struct Generation {
 }
 
 /// One issue, start to finish. Heartbeats the lease until the outcome is
-/// written; gives up at once if the claim is lost.
+/// written; gives up at once if the claim is lost, found by a heartbeat or
+/// announced by a transition out of `IN_PROGRESS` (`left_in_progress`).
 async fn generate(
     generation: Generation,
     claimed: ClaimedIssue,
     priority: Option<Priority>,
     start: Arc<Start>,
+    left_in_progress: Arc<Notify>,
 ) {
     let _in_flight = crate::metrics::generation_started();
     let known = generation.settings.get().await.ok();
@@ -426,18 +522,30 @@ async fn generate(
         record_outcome(pool, completer, &claimed, lease, result, quota_pause).await
     };
     tokio::pin!(work);
+    let heartbeat = heartbeat_until_lost(&generation.pool, &claimed, lease);
+    tokio::pin!(heartbeat);
     // The heartbeat keeps the lease until the outcome is recorded. A lost
     // claim stops the writer; but once the writer has answered, the fenced
     // recording says what happened: a heartbeat that ran into that very
     // commit must not report a written article as lost.
-    let outcome = tokio::select! {
-        biased;
-        outcome = &mut work => outcome,
-        lost = heartbeat_until_lost(&generation.pool, &claimed, lease) => {
-            if answered.load(Ordering::Relaxed) {
-                work.await
-            } else {
-                lost
+    let outcome = loop {
+        tokio::select! {
+            biased;
+            outcome = &mut work => break outcome,
+            lost = &mut heartbeat => {
+                if answered.load(Ordering::Relaxed) {
+                    break work.await;
+                }
+                break lost;
+            }
+            () = left_in_progress.notified(), if !answered.load(Ordering::Relaxed) => {
+                // A transition out of IN_PROGRESS of this issue: this
+                // claim's end, unless it was an earlier claim's, announced
+                // late. The claim itself says which.
+                if !claim_current(&generation.pool, &claimed).await {
+                    crate::metrics::generation_cancelled();
+                    break Ok(Generated::Abandoned);
+                }
             }
         }
     };
@@ -461,12 +569,14 @@ async fn call_writer(
 ) -> (Result<Article, WriteError>, Option<Duration>) {
     let now = generation.settings.get().await.ok().or(known);
     let fallback = Settings::default();
-    let prompts = now.as_deref().unwrap_or(&fallback).prompts();
+    let settings = now.as_deref().unwrap_or(&fallback);
     let started = std::time::Instant::now();
-    let result = generation
-        .writer
-        .write(IssueText::new(claimed, prompts))
-        .await;
+    let result = write_checked(
+        &*generation.writer,
+        IssueText::new(claimed, settings.prompts()),
+        &settings.article_checks(),
+    )
+    .await;
     // The slot bounds LLM calls only: it is given back here, before the
     // outcome waits for its batch.
     let quota_pause = match (slot, result.as_ref().err()) {
@@ -480,6 +590,46 @@ async fn call_writer(
         },
         _ => None,
     };
+    tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
+    (result, quota_pause)
+}
+
+/// Writes `issue`'s article and checks it (see [`crate::writer::checks`]):
+/// an answer that fails a check is asked for again once, with the reason;
+/// a second failure is [`WriteError::InvalidArticle`]. The article stored
+/// counts the tokens of both calls.
+async fn write_checked(
+    writer: &dyn Writer,
+    issue: IssueText<'_>,
+    checks: &ArticleChecks,
+) -> Result<Article, WriteError> {
+    let first = timed(writer.write(issue)).await?;
+    let rejection = match checks.check(&first) {
+        Ok(article) => return Ok(article),
+        Err(rejection) => rejection,
+    };
+    crate::metrics::article_rejected(rejection.check.as_str());
+    tracing::info!(issue = issue.id, %rejection, "answer rejected; asking again");
+    let problem = rejection.request_again();
+    let second = timed(writer.write_again(issue, &first, &problem)).await?;
+    match checks.check(&second) {
+        Ok(article) => Ok(Article {
+            usage: first.usage.plus(second.usage),
+            ..article
+        }),
+        Err(rejection) => {
+            crate::metrics::article_rejected(rejection.check.as_str());
+            Err(WriteError::InvalidArticle(rejection))
+        }
+    }
+}
+
+/// One writer call, counted in the LLM metrics.
+async fn timed(
+    call: impl std::future::Future<Output = Result<Article, WriteError>>,
+) -> Result<Article, WriteError> {
+    let started = std::time::Instant::now();
+    let result = call.await;
     crate::metrics::llm_call_finished(
         started.elapsed(),
         result.as_ref().err().map(|e| e.kind().as_str()),
@@ -487,8 +637,7 @@ async fn call_writer(
     if let Ok(article) = &result {
         crate::metrics::llm_tokens(article.usage);
     }
-    tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
-    (result, quota_pause)
+    result
 }
 
 /// One log line for how `claimed`'s generation ended.
@@ -508,6 +657,13 @@ fn log_outcome(claimed: &ClaimedIssue, outcome: &Result<Generated, DbError>) {
                 "shutting down before the generation began"
             )
         }
+        Ok(Generated::Abandoned) => {
+            tracing::info!(
+                issue = claimed.id,
+                claim = claimed.claim_id,
+                "the issue left IN_PROGRESS (cancelled?); its LLM call was dropped"
+            )
+        }
         Ok(Generated::ClaimLost) => {
             tracing::warn!(
                 issue = claimed.id,
@@ -516,6 +672,22 @@ fn log_outcome(claimed: &ClaimedIssue, outcome: &Result<Generated, DbError>) {
             )
         }
         Err(_) => {}
+    }
+}
+
+/// Whether `claimed`'s claim is still current; true when that cannot be
+/// read (the heartbeat settles it then).
+async fn claim_current(pool: &DbPool, claimed: &ClaimedIssue) -> bool {
+    let read = async {
+        let client = pool.get().await?;
+        issue::claim_current(&pool.session(&client), claimed.id, claimed.claim_id).await
+    };
+    match read.await {
+        Ok(current) => current,
+        Err(e) => {
+            tracing::warn!(issue = claimed.id, error = %e, "cannot read whether the claim is current; the heartbeat will tell");
+            true
+        }
     }
 }
 

@@ -1,4 +1,5 @@
-//! `POST /issues` (add issues) and `GET /issues/{id}` (one issue).
+//! `POST /issues` (add issues), `GET /issues/{id}` (one issue) and
+//! `POST /issues/{id}/cancel`.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -17,6 +18,7 @@ pub fn router() -> Router<AppState> {
     Router::new()
         .route("/issues", post(add_issues))
         .route("/issues/{id}", get(show_issue))
+        .route("/issues/{id}/cancel", post(cancel_issue))
 }
 
 #[derive(Deserialize, utoipa::ToSchema)]
@@ -52,6 +54,32 @@ pub async fn show_issue(
 ) -> Result<Json<IssueView>, ApiError> {
     let id = positive_id("issue id", &raw)?;
     let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
+    issue::get_issue(&client, id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no issue with id {id}")))
+}
+
+/// Cancel an issue: it ends `FAILED` with `last_error` `cancelled` and no
+/// automatic retry; an article being written is abandoned.
+#[utoipa::path(post, path = "/issues/{id}/cancel", tag = "issues",
+    params(("id" = i64, Path, minimum = 1, description = "issue id")),
+    responses((status = 200, body = IssueView, description = "The cancelled issue (also when it was cancelled already)"),
+              (status = 404, body = ErrorBody, description = "No such issue"),
+              (status = 409, body = ErrorBody, description = "The issue is DONE: its article is written")))]
+pub async fn cancel_issue(
+    State(state): State<AppState>,
+    ApiPath(raw): ApiPath<String>,
+) -> Result<Json<IssueView>, ApiError> {
+    let id = positive_id("issue id", &raw)?;
+    let mut client = state.pool.get().await.map_err(crate::db::DbError::from)?;
+    let outcome = issue::cancel(&mut client, &[id]).await?;
+    if !outcome.done.is_empty() {
+        return Err(ApiError::Conflict(
+            format!("issue {id} is DONE: its article is written"),
+            serde_json::json!({ "status": "DONE" }),
+        ));
+    }
     issue::get_issue(&client, id)
         .await?
         .map(Json)

@@ -47,6 +47,7 @@ use super::AppState;
     paths(
         super::issues::add_issues,
         super::issues::show_issue,
+        super::issues::cancel_issue,
         super::articles::request_articles,
         super::waits::wait_for,
         super::briefings::assemble,

@@ -27,3 +27,15 @@ pub struct TokenUsage {
     pub prompt_tokens: Option<i32>,
     pub completion_tokens: Option<i32>,
 }
+
+impl TokenUsage {
+    /// What two calls spent together; a count either call did not report
+    /// stays unknown.
+    pub fn plus(self, other: TokenUsage) -> TokenUsage {
+        let add = |a: Option<i32>, b: Option<i32>| Some(a?.saturating_add(b?));
+        TokenUsage {
+            prompt_tokens: add(self.prompt_tokens, other.prompt_tokens),
+            completion_tokens: add(self.completion_tokens, other.completion_tokens),
+        }
+    }
+}

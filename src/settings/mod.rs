@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::db::{self, DbError, DbPool};
+use crate::writer::checks::{self, ArticleChecks, Script};
 use crate::writer::Prompts;
 
 /// The default of the `briefing_title` setting (migration 17 holds the
@@ -31,6 +32,32 @@ pub enum SettingError {
         "the timezone setting {0:?} is not in this binary's time zone database; set another IANA name (e.g. \"Asia/Seoul\") or upgrade newsnack"
     )]
     UnknownTimeZone(String),
+}
+
+/// Which LLM calls may go to the fallback provider while the primary is
+/// down (setting `llm_fallback_for`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FallbackFor {
+    /// Briefing calls only.
+    #[default]
+    Briefing,
+    /// Every call.
+    All,
+    /// No call.
+    None,
+}
+
+impl FallbackFor {
+    /// The setting's value; `None` for anything else.
+    pub fn parse(value: &str) -> Option<FallbackFor> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "briefing" => Some(FallbackFor::Briefing),
+            "all" => Some(FallbackFor::All),
+            "none" => Some(FallbackFor::None),
+            _ => None,
+        }
+    }
 }
 
 /// Every setting the service uses, with the defaults of `setting_spec`.
@@ -58,6 +85,17 @@ pub struct Settings {
     pub timezone: String,
     /// A template with `{date}`, filled in when a briefing is assembled.
     pub briefing_title: String,
+    pub llm_fallback_for: FallbackFor,
+    /// Prompt plus completion tokens per day in `timezone` (0: unlimited).
+    pub llm_daily_token_budget: i64,
+    /// The part of the daily budget only briefing calls may use.
+    pub llm_briefing_reserve_tokens: i64,
+    pub article_headline_max_chars: i64,
+    pub article_body_min_chars: i64,
+    pub article_body_max_chars: i64,
+    /// Phrases separated by `|` (see [`Settings::article_checks`]).
+    pub article_reject_phrases: String,
+    pub article_script: Script,
 }
 
 impl Default for Settings {
@@ -79,6 +117,14 @@ impl Default for Settings {
             llm_user_prompt: Prompts::DEFAULT.user_template.into(),
             timezone: "UTC".into(),
             briefing_title: DEFAULT_BRIEFING_TITLE.into(),
+            llm_fallback_for: FallbackFor::Briefing,
+            llm_daily_token_budget: 0,
+            llm_briefing_reserve_tokens: 0,
+            article_headline_max_chars: 120,
+            article_body_min_chars: 1,
+            article_body_max_chars: 20_000,
+            article_reject_phrases: String::new(),
+            article_script: Script::Any,
         }
     }
 }
@@ -107,12 +153,33 @@ impl Settings {
         take("retry_backoff_max_ms", &mut s.retry_backoff_max_ms);
         take("llm_max_in_flight", &mut s.llm_max_in_flight);
         take("llm_requests_per_minute", &mut s.llm_requests_per_minute);
+        take("llm_daily_token_budget", &mut s.llm_daily_token_budget);
+        take(
+            "llm_briefing_reserve_tokens",
+            &mut s.llm_briefing_reserve_tokens,
+        );
+        take(
+            "article_headline_max_chars",
+            &mut s.article_headline_max_chars,
+        );
+        take("article_body_min_chars", &mut s.article_body_min_chars);
+        take("article_body_max_chars", &mut s.article_body_max_chars);
+        if let Some(v) = values
+            .get("llm_fallback_for")
+            .and_then(|v| FallbackFor::parse(v))
+        {
+            s.llm_fallback_for = v;
+        }
+        if let Some(v) = values.get("article_script").and_then(|v| Script::parse(v)) {
+            s.article_script = v;
+        }
         for (key, slot) in [
             ("schedule", &mut s.schedule),
             ("llm_system_prompt", &mut s.llm_system_prompt),
             ("llm_user_prompt", &mut s.llm_user_prompt),
             ("timezone", &mut s.timezone),
             ("briefing_title", &mut s.briefing_title),
+            ("article_reject_phrases", &mut s.article_reject_phrases),
         ] {
             if let Some(value) = values.get(key) {
                 *slot = value.clone();
@@ -126,6 +193,18 @@ impl Settings {
         Prompts {
             system: &self.llm_system_prompt,
             user_template: &self.llm_user_prompt,
+        }
+    }
+
+    /// What an answer is checked against before it is stored.
+    pub fn article_checks(&self) -> ArticleChecks {
+        let chars = |n: i64| usize::try_from(n.max(0)).unwrap_or(usize::MAX);
+        ArticleChecks {
+            headline_max_chars: chars(self.article_headline_max_chars),
+            body_min_chars: chars(self.article_body_min_chars),
+            body_max_chars: chars(self.article_body_max_chars),
+            reject_phrases: checks::reject_phrases(&self.article_reject_phrases),
+            script: self.article_script,
         }
     }
 
@@ -247,6 +326,30 @@ mod tests {
         assert_eq!(s.max_attempts, 3);
         assert_eq!(s.prompts(), Prompts::DEFAULT);
         assert_eq!(s.time_zone(), Ok(chrono_tz::UTC));
+        assert_eq!(s.article_checks(), ArticleChecks::default());
+        assert_eq!(s.llm_fallback_for, FallbackFor::Briefing);
+    }
+
+    #[test]
+    fn choices_and_phrases_are_typed() {
+        let values: HashMap<String, String> = [
+            ("llm_fallback_for".to_string(), "none".to_string()),
+            ("article_script".to_string(), "hangul".to_string()),
+            (
+                "article_reject_phrases".to_string(),
+                "As an AI|I can't".to_string(),
+            ),
+            ("article_headline_max_chars".to_string(), "80".to_string()),
+            ("llm_daily_token_budget".to_string(), "100000".to_string()),
+        ]
+        .into();
+        let s = Settings::from_values(&values);
+        assert_eq!(s.llm_fallback_for, FallbackFor::None);
+        assert_eq!(s.llm_daily_token_budget, 100_000);
+        let checks = s.article_checks();
+        assert_eq!(checks.script, Script::Hangul);
+        assert_eq!(checks.headline_max_chars, 80);
+        assert_eq!(checks.reject_phrases, ["As an AI", "I can't"]);
     }
 
     #[test]

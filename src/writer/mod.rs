@@ -8,7 +8,9 @@
 //! |---|---|
 //! | [`openai`] | the chat-completions client, its prompts and reply parsing |
 //! | [`offline`] | the deterministic writer that needs no network |
+//! | [`checks`] | the checks an answer passes before it is stored, and unwrapping a JSON answer |
 
+pub mod checks;
 pub mod offline;
 pub mod openai;
 
@@ -82,6 +84,10 @@ pub struct Article {
     pub headline: String,
     pub body: String,
     pub usage: TokenUsage,
+    /// The model's answer as it came, before it was read into headline and
+    /// body (empty for a writer that asks no model): what a second request
+    /// shows the model of its first answer.
+    pub answer: String,
 }
 
 /// What went wrong, as a short label for metrics and logs.
@@ -108,6 +114,8 @@ pub enum WriteErrorKind {
     /// A 2xx answer cut off at the token limit or withheld by a content
     /// filter (`finish_reason` `length` or `content_filter`).
     Incomplete,
+    /// An answer that failed a check, asked again, and failed again.
+    InvalidArticle,
 }
 
 impl WriteErrorKind {
@@ -123,6 +131,7 @@ impl WriteErrorKind {
             WriteErrorKind::Malformed => "malformed",
             WriteErrorKind::Empty => "empty",
             WriteErrorKind::Incomplete => "incomplete",
+            WriteErrorKind::InvalidArticle => "invalid_article",
         }
     }
 }
@@ -155,6 +164,10 @@ pub enum WriteError {
         kind: WriteErrorKind,
         reason: String,
     },
+    /// An answer that failed a check, asked again with the reason, failed
+    /// a check again (see [`checks`]): not retried automatically.
+    #[error("invalid article: {0}")]
+    InvalidArticle(checks::Rejection),
 }
 
 impl WriteError {
@@ -196,7 +209,7 @@ impl WriteError {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             WriteError::Retryable { retry_after, .. } => *retry_after,
-            WriteError::Fatal { .. } => None,
+            WriteError::Fatal { .. } | WriteError::InvalidArticle(_) => None,
         }
     }
 
@@ -217,12 +230,14 @@ impl WriteError {
     pub fn kind(&self) -> WriteErrorKind {
         match self {
             WriteError::Retryable { kind, .. } | WriteError::Fatal { kind, .. } => *kind,
+            WriteError::InvalidArticle(_) => WriteErrorKind::InvalidArticle,
         }
     }
 
     pub fn reason(&self) -> &str {
         match self {
             WriteError::Retryable { reason, .. } | WriteError::Fatal { reason, .. } => reason,
+            WriteError::InvalidArticle(rejection) => &rejection.detail,
         }
     }
 }
@@ -241,6 +256,19 @@ pub trait Writer: Send + Sync + 'static {
     }
 
     fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>>;
+
+    /// Asks again after `first` failed a check: the conversation so far,
+    /// `first`'s answer, and `problem` (what to fix). A writer that asks
+    /// no model writes as before.
+    fn write_again<'a>(
+        &'a self,
+        issue: IssueText<'a>,
+        first: &'a Article,
+        problem: &'a str,
+    ) -> BoxFuture<'a, Result<Article, WriteError>> {
+        let _ = (first, problem);
+        self.write(issue)
+    }
 }
 
 /// A writer shared by every task that generates articles.

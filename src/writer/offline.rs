@@ -24,8 +24,9 @@ const LEDE_CHARS: usize = 240;
 const DETAIL_SENTENCES: usize = 4;
 /// Longer sentences (text without full stops) are cut at a word boundary.
 const MAX_SENTENCE_CHARS: usize = 300;
-/// Longer titles are cut at a word boundary.
-const MAX_HEADLINE_CHARS: usize = 150;
+/// Longer titles are cut at a word boundary (with the `…`, within the
+/// default `article_headline_max_chars`).
+const MAX_HEADLINE_CHARS: usize = 119;
 
 /// Words ending in a full stop that do not end a sentence.
 const ABBREVIATIONS: &[&str] = &[
@@ -100,6 +101,7 @@ fn compose(title: &str, body: &str) -> Article {
         body: paragraphs.join("\n\n"),
         // No model, nothing spent.
         usage: TokenUsage::default(),
+        answer: String::new(),
     }
 }
 
@@ -267,6 +269,29 @@ mod tests {
                 "Because.",
             ]
         );
+    }
+
+    #[test]
+    fn every_article_passes_the_default_checks() {
+        let checks = crate::writer::checks::ArticleChecks::default();
+        let long = "word ".repeat(5000);
+        for (title, body) in [
+            ("Storm warning", ""),
+            ("", ""),
+            ("", long.as_str()),
+            (long.as_str(), long.as_str()),
+            (
+                &"가나다라마바사 ".repeat(100),
+                &"한국어 문장입니다. ".repeat(1000),
+            ),
+            (
+                "Council approves budget",
+                "The vote was 7 to 2. Spending rises.",
+            ),
+        ] {
+            let a = article(title, body);
+            assert_eq!(checks.check(&a), Ok(a.clone()), "{title:?} / {body:?}");
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use serde_json::Value;
 use time::OffsetDateTime;
 
 use super::{
-    parse_llm_url, Article, IssueText, WriteError, WriteErrorKind, Writer, WriterConfig,
+    checks, parse_llm_url, Article, IssueText, WriteError, WriteErrorKind, Writer, WriterConfig,
     WriterConfigError,
 };
 
@@ -80,7 +80,7 @@ impl std::fmt::Debug for OpenAiWriter {
 #[derive(Serialize)]
 struct ChatRequest<'a> {
     model: &'a str,
-    messages: [ChatMessage<'a>; 2],
+    messages: Vec<ChatMessage<'a>>,
     temperature: f64,
 }
 
@@ -143,20 +143,38 @@ impl OpenAiWriter {
         &self.endpoint
     }
 
-    async fn write_issue(&self, issue: IssueText<'_>) -> Result<Article, WriteError> {
+    /// Asks for `issue`'s article; after a first answer that failed a
+    /// check, `again` holds that answer and what to fix, sent as the
+    /// assistant's message and a user message after the first two.
+    async fn write_issue(
+        &self,
+        issue: IssueText<'_>,
+        again: Option<(&str, &str)>,
+    ) -> Result<Article, WriteError> {
         let user_prompt = user_prompt(issue.prompts.user_template, issue.title, issue.body);
+        let mut messages = vec![
+            ChatMessage {
+                role: "system",
+                content: issue.prompts.system,
+            },
+            ChatMessage {
+                role: "user",
+                content: &user_prompt,
+            },
+        ];
+        if let Some((answer, problem)) = again {
+            messages.push(ChatMessage {
+                role: "assistant",
+                content: answer,
+            });
+            messages.push(ChatMessage {
+                role: "user",
+                content: problem,
+            });
+        }
         let request = ChatRequest {
             model: &self.model,
-            messages: [
-                ChatMessage {
-                    role: "system",
-                    content: issue.prompts.system,
-                },
-                ChatMessage {
-                    role: "user",
-                    content: &user_prompt,
-                },
-            ],
+            messages,
             temperature: TEMPERATURE,
         };
         let mut builder = self.client.post(self.endpoint.clone()).json(&request);
@@ -178,6 +196,7 @@ impl OpenAiWriter {
                 WriteError::fatal(WriteErrorKind::Empty, "empty content: no article text")
             })?;
             article.usage = usage;
+            article.answer = content;
             Ok(article)
         })
     }
@@ -267,7 +286,16 @@ impl Writer for OpenAiWriter {
     }
 
     fn write<'a>(&'a self, issue: IssueText<'a>) -> BoxFuture<'a, Result<Article, WriteError>> {
-        Box::pin(self.write_issue(issue))
+        Box::pin(self.write_issue(issue, None))
+    }
+
+    fn write_again<'a>(
+        &'a self,
+        issue: IssueText<'a>,
+        first: &'a Article,
+        problem: &'a str,
+    ) -> BoxFuture<'a, Result<Article, WriteError>> {
+        Box::pin(self.write_issue(issue, Some((&first.answer, problem))))
     }
 }
 
@@ -539,11 +567,35 @@ fn error_in_body_kind(value: &Value) -> Option<WriteErrorKind> {
 }
 
 /// Turns the model's text into an article: the first line is the headline,
-/// the rest the body. Strips Markdown heading and bold marks and
-/// `Headline:` labels; with a single paragraph and no marked headline the
-/// issue's title becomes the headline. `None` when there is no text.
+/// the rest the body. Strips code fences, Markdown heading and bold marks
+/// and `Headline:` labels, and reads a JSON object with `headline` and
+/// `body` as those ([`checks::json_article`]); with a single paragraph and
+/// no marked headline the issue's title becomes the headline. `None` when
+/// there is no text. (`answer` is left empty: the caller keeps the text.)
 pub fn parse_article(content: &str, issue_title: &str) -> Option<Article> {
-    let paragraphs = paragraphs(without_reasoning(content));
+    let content = without_reasoning(content);
+    if let Some((headline, body)) = checks::json_article(content) {
+        let body = paragraphs(&body)
+            .iter()
+            .map(|lines| lines.join("\n"))
+            .collect::<Vec<_>>()
+            .join("\n\n");
+        if body.is_empty() {
+            return None;
+        }
+        let headline = clean_headline(&headline);
+        return Some(Article {
+            headline: if headline.is_empty() {
+                fallback_headline(issue_title)
+            } else {
+                headline
+            },
+            body,
+            usage: TokenUsage::default(),
+            answer: String::new(),
+        });
+    }
+    let paragraphs = paragraphs(content);
     let first = paragraphs.first()?;
     let marked = looks_marked(first[0]);
     let (headline, body) = if (paragraphs.len() >= 2 || (marked && first.len() >= 2))
@@ -586,6 +638,7 @@ pub fn parse_article(content: &str, issue_title: &str) -> Option<Article> {
         headline,
         body,
         usage: TokenUsage::default(),
+        answer: String::new(),
     })
 }
 
@@ -757,6 +810,7 @@ mod tests {
             headline: headline.into(),
             body: body.into(),
             usage: TokenUsage::default(),
+            answer: String::new(),
         }
     }
 

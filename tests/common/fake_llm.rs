@@ -2,8 +2,8 @@
 //! an axum server on 127.0.0.1 (a free port) that answers every
 //! `POST /v1/chat/completions` as a test script says, and records what it
 //! was sent (count, last request body, last `Authorization` header, and
-//! every arrival with its time and how many calls were in flight). It
-//! can be stopped (connections refused) and restarted on the same address,
+//! every arrival with its time and how many calls were in flight, and every
+//! request whose client hung up before the answer). It can be stopped (connections refused) and restarted on the same address,
 //! to play an LLM that is down for a while.
 #![allow(dead_code)]
 
@@ -90,6 +90,11 @@ struct Shared {
     arrivals: Mutex<Vec<Arrival>>,
     /// How many requests have arrived, to wait on.
     arrived: tokio::sync::watch::Sender<u64>,
+    /// Requests whose client hung up before they were answered: the
+    /// request's number and when.
+    dropped: Mutex<Vec<(u64, std::time::Instant)>>,
+    /// How many of those, to wait on.
+    dropped_count: tokio::sync::watch::Sender<u64>,
     last_authorization: Mutex<Option<String>>,
     last_request: Mutex<Option<Value>>,
     /// Cancelled when the current run of the server stops.
@@ -117,6 +122,8 @@ impl FakeLlm {
             in_flight_at_arrival: Mutex::new(Vec::new()),
             arrivals: Mutex::new(Vec::new()),
             arrived: tokio::sync::watch::channel(0).0,
+            dropped: Mutex::new(Vec::new()),
+            dropped_count: tokio::sync::watch::channel(0).0,
             last_authorization: Mutex::new(None),
             last_request: Mutex::new(None),
             stopping: Mutex::new(CancellationToken::new()),
@@ -186,6 +193,30 @@ impl FakeLlm {
         .unwrap();
     }
 
+    /// The requests whose client hung up before the answer, in order: the
+    /// request's number (from 0, as the script sees it) and when.
+    pub fn dropped(&self) -> Vec<(u64, std::time::Instant)> {
+        self.shared.dropped.lock().unwrap().clone()
+    }
+
+    /// Waits until the clients of at least `n` requests have hung up before
+    /// the answer (at most `secs` seconds).
+    pub async fn until_dropped(&self, n: u64, secs: u64) {
+        let mut dropped = self.shared.dropped_count.subscribe();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(secs),
+            dropped.wait_for(|count| *count >= n),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "timed out waiting for {n} dropped requests at the fake LLM (saw {})",
+                self.dropped().len()
+            )
+        })
+        .unwrap();
+    }
+
     /// The `Authorization` header of the last request, if it had one.
     pub fn last_authorization(&self) -> Option<String> {
         self.shared.last_authorization.lock().unwrap().clone()
@@ -247,7 +278,11 @@ async fn chat_completions(
         (n, now)
     };
     shared.max_in_flight.fetch_max(now, Ordering::SeqCst);
-    let _leaving = InFlight(shared.clone());
+    let mut leaving = InFlight {
+        shared: shared.clone(),
+        n,
+        answered: false,
+    };
     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     shared.arrivals.lock().unwrap().push(Arrival {
         at: std::time::Instant::now(),
@@ -282,7 +317,7 @@ async fn chat_completions(
         let usage = json!({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2});
         reply = Reply::WithUsage { content, usage };
     }
-    match reply {
+    let response = match reply {
         Reply::Slow { .. } | Reply::Gated { .. } | Reply::Ok(_) => {
             unreachable!("turned into WithUsage above")
         }
@@ -349,15 +384,30 @@ async fn chat_completions(
             }
             response
         }
-    }
+    };
+    leaving.answered = true;
+    response
 }
 
-/// Counts a request as answered when dropped (also if the client left).
-struct InFlight(Arc<Shared>);
+/// Counts a request as answered when dropped, and as dropped if the client
+/// left first (the server then drops the handler before it answers).
+struct InFlight {
+    shared: Arc<Shared>,
+    n: u64,
+    answered: bool,
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if !self.answered {
+            self.shared
+                .dropped
+                .lock()
+                .unwrap()
+                .push((self.n, std::time::Instant::now()));
+            self.shared.dropped_count.send_modify(|count| *count += 1);
+        }
     }
 }
 
