@@ -122,6 +122,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "less per write",
         sql: include_str!("../../sql/0021_less_per_write.sql"),
     },
+    Migration {
+        version: 22,
+        name: "claim by key",
+        sql: include_str!("../../sql/0022_claim_by_key.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.
