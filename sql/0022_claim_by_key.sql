@@ -20,9 +20,9 @@
 -- - the UPDATE takes the rows it locked by their address (`ctid`, a TID
 --   scan): the claim holds their locks, so no other transaction can have
 --   moved them;
--- - the completion finds the claims still current the same way, one
---   lookup per completion (its plan once scanned the table when the
---   statistics said few issues were in flight).
+-- - the completion finds the claims still current, and locks their rows,
+--   the same way, one lookup per completion (its plans scanned the table
+--   once the statistics said few issues were in flight).
 --
 -- Until now the service kept a copy of each statement (src/db/issue.rs),
 -- prepared once per session where no pooler stands in front, and a test
@@ -108,9 +108,14 @@ BEGIN
                 OFFSET 0
           ) l
      ), free AS MATERIALIZED (
-         SELECT i.id FROM @extschema@.issue i JOIN current USING (id, claim_id)
-          WHERE i.id = ANY((SELECT ids)::bigint[]) AND i.processing_status = 'IN_PROGRESS'
-          ORDER BY i.id FOR UPDATE OF i SKIP LOCKED
+         SELECT l.id
+           FROM (SELECT c.id, c.claim_id FROM current c ORDER BY c.id) c
+          CROSS JOIN LATERAL (
+                SELECT i.id FROM @extschema@.issue i
+                 WHERE i.id = c.id AND i.claim_id = c.claim_id
+                   AND i.processing_status = 'IN_PROGRESS'
+                   FOR UPDATE OF i SKIP LOCKED
+          ) l
      ), done AS (
          UPDATE @extschema@.issue i SET processing_status = 'DONE'
            FROM current
