@@ -21,8 +21,9 @@
 --   scan): the claim holds their locks, so no other transaction can have
 --   moved them;
 -- - the completion finds the claims still current, and locks their rows,
---   the same way, one lookup per completion (its plans scanned the table
---   once the statistics said few issues were in flight).
+--   the same way, one lookup per completion, and updates them by their
+--   address too (its plans scanned the table once the statistics said few
+--   issues were in flight).
 --
 -- Until now the service kept a copy of each statement (src/db/issue.rs),
 -- prepared once per session where no pooler stands in front, and a test
@@ -108,10 +109,10 @@ BEGIN
                 OFFSET 0
           ) l
      ), free AS MATERIALIZED (
-         SELECT l.id
+         SELECT l.id, l.ctid
            FROM (SELECT c.id, c.claim_id FROM current c ORDER BY c.id) c
           CROSS JOIN LATERAL (
-                SELECT i.id FROM @extschema@.issue i
+                SELECT i.id, i.ctid FROM @extschema@.issue i
                  WHERE i.id = c.id AND i.claim_id = c.claim_id
                    AND i.processing_status = 'IN_PROGRESS'
                    FOR UPDATE OF i SKIP LOCKED
@@ -119,7 +120,7 @@ BEGIN
      ), done AS (
          UPDATE @extschema@.issue i SET processing_status = 'DONE'
            FROM current
-          WHERE i.id = ANY((SELECT ids)::bigint[]) AND i.id IN (SELECT f.id FROM free f)
+          WHERE i.ctid = ANY(ARRAY(SELECT f.ctid FROM free f))
             AND i.id = current.id AND i.claim_id = current.claim_id
       RETURNING i.id, i.claim_id
      ), written AS (
