@@ -18,8 +18,9 @@
 //! - `function`: the call of `newsnack_claim` (migration 16), sent unnamed,
 //!   whose statement keeps its generic plan in the session: what the
 //!   service sends behind a transaction pooler;
-//! - `kept`: `kept_claim_statement`'s, prepared, the server left to choose
-//!   its plans: what the service sends where no pooler stands in front.
+//! - `kept`: the call of `newsnack_claim` prepared, the server left to
+//!   choose its plans: what the service sends where no pooler stands in
+//!   front (migration 22; before it, a copy of the function's statement).
 //!
 //! Last, fresh issues are claimed (`kept`) and completed (the call of
 //! `newsnack_complete`), each statement its own transaction:
@@ -37,7 +38,6 @@ use common::round3;
 
 use std::process::{Command, Stdio};
 
-use newsnack::db::issue::{kept_claim_statement, ClaimScope};
 use newsnack::embedded::{find_bin_dir, unprivileged_user, EmbeddedOptions, EmbeddedPostgres};
 
 const ISSUES: i64 = 20_000;
@@ -118,7 +118,8 @@ async fn main() {
     // A generic plan for the prepared statement, as the service's sessions
     // were started with; it changes nothing for `unnamed` and `function`
     // (a statement with its values written in is planned once, for them;
-    // the function sets its own). `kept` is left to the server's choice.
+    // the function's statement keeps its own). `kept` is left to the
+    // server's choice.
     let prelude = |way: &str| {
         let mode = if way == "kept" {
             "auto"
@@ -129,7 +130,7 @@ async fn main() {
             "SET plan_cache_mode = {mode};\n\n\
              PREPARE claim(bigint[], text, float8, integer) AS {statement};\n\n\
              PREPARE kept(bigint[], text, float8, integer) AS {kept};\n\n",
-            kept = kept_claim_statement(ClaimScope::Claimable)
+            kept = newsnack::db::issue::CLAIM_STATEMENT
         )
     };
     // Fresh issues for the claims that take one, then the first ones

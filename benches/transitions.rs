@@ -27,7 +27,6 @@ use common::{claim_rate, connect, round3, Path};
 use std::process::Command;
 use std::time::Duration;
 
-use newsnack::db::issue::{kept_claim_statement, ClaimScope};
 use newsnack::db::{self, PoolOptions, Statements};
 use newsnack::embedded::{find_bin_dir, EmbeddedOptions, EmbeddedPostgres};
 
@@ -203,7 +202,8 @@ async fn set_triggers(client: &tokio_postgres::Client, which: &str, on: bool) {
 }
 
 /// Claims per second when `pgbench` runs the service's claim as a session
-/// keeps it where no pooler stands in front ([`kept_claim_statement`]) on
+/// keeps it where no pooler stands in front (the call of `newsnack_claim`,
+/// named: [`newsnack::db::issue::CLAIM_STATEMENT`]) on
 /// fresh windows of [`CEILING_BATCH`] ids.
 async fn claim_ceiling(
     cluster: &EmbeddedPostgres,
@@ -238,27 +238,17 @@ async fn claim_ceiling(
         .await
         .unwrap();
     // The claim as the claimer sends it, its parameters bound in SQL:
-    // each transaction takes the next window of ids from a sequence. The
-    // statement reads the ids twice (what to claim, then what is done),
-    // the second time the window the first took.
-    let window = |n: &str| {
-        format!(
-            "(SELECT array_agg(g) FROM (SELECT {n}('bench_window') AS n) w, \
-              generate_series(w.n, w.n + {last}) g)",
-            last = CEILING_BATCH - 1
-        )
-    };
-    let kept = kept_claim_statement(ClaimScope::Claimable);
-    assert_eq!(
-        kept.matches("$1").count(),
-        2,
-        "the claim reads its ids twice"
+    // each transaction takes the next window of ids from a sequence.
+    let window = format!(
+        "(SELECT array_agg(g) FROM (SELECT nextval('bench_window') AS n) w, \
+          generate_series(w.n, w.n + {last}) g)",
+        last = CEILING_BATCH - 1
     );
-    let statement = kept
-        .replacen("$1", &window("nextval"), 1)
-        .replacen("$1", &window("currval"), 1)
+    let statement = newsnack::db::issue::CLAIM_STATEMENT
+        .replace("$1", &window)
         .replace("$2", "'bench'")
-        .replace("$3", "60");
+        .replace("$3", "60")
+        .replace("$4", "NULL");
     let statement = format!("{statement};\n");
     let script = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(script.path(), statement).unwrap();

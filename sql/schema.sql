@@ -728,31 +728,38 @@ BEGIN
 END
 $$;
 
--- The claim and the completion as the service calls them: each statement
--- keeps its generic plan for the life of the session (src/db/issue.rs).
--- They run as their caller; only the owner may call them.
+-- The claim and the completion, the only copies of these statements: the
+-- service calls them (src/db/issue.rs), and each server session keeps the
+-- generic plan of their statement. Each requested id is looked up in the
+-- key, so no plan scans `issue`. They run as their caller; only the owner
+-- may call them.
 
 CREATE FUNCTION @extschema@.newsnack_claim(
     ids bigint[], holder text, lease_s double precision, retry_below integer
 ) RETURNS TABLE (id bigint, claim_id bigint, attempts integer, title text, body text,
                  lease_until timestamptz)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
-    WITH claimable AS MATERIALIZED (
-         SELECT i.id
-           FROM @extschema@.issue i
-          WHERE i.id = ANY(ids)
-            AND CASE WHEN retry_below IS NULL
-                     THEN i.processing_status IN ('PENDING', 'FAILED')
-                     WHEN retry_below < 0
-                     THEN i.processing_status = 'PENDING'
-                     ELSE i.processing_status = 'FAILED' AND i.attempts < retry_below
-                          AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
-                END
-          ORDER BY i.id
-            FOR NO KEY UPDATE OF i SKIP LOCKED
+    WITH asked AS MATERIALIZED (
+         SELECT DISTINCT a.id FROM unnest((SELECT ids)) AS a(id) ORDER BY a.id
+     ), claimable AS MATERIALIZED (
+         SELECT l.id, l.ctid
+           FROM asked a
+          CROSS JOIN LATERAL (
+                SELECT i.id, i.ctid
+                  FROM @extschema@.issue i
+                 WHERE i.id = a.id
+                   AND CASE WHEN (SELECT retry_below) IS NULL
+                            THEN i.processing_status IN ('PENDING', 'FAILED')
+                            WHEN (SELECT retry_below) < 0
+                            THEN i.processing_status = 'PENDING'
+                            ELSE i.processing_status = 'FAILED' AND i.attempts < (SELECT retry_below)
+                                 AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())
+                       END
+                   FOR NO KEY UPDATE OF i SKIP LOCKED
+          ) l
      ), claimed AS (
          UPDATE @extschema@.issue i
             SET processing_status = 'IN_PROGRESS',
@@ -761,14 +768,18 @@ BEGIN
                 claimed_by = holder,
                 lease_until = now() + make_interval(secs => lease_s)
            FROM claimable c
-          WHERE i.id = c.id
+          WHERE i.ctid = ANY(ARRAY(SELECT c.ctid FROM claimable c)) AND i.id = c.id
       RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until
      )
      SELECT c.id, c.claim_id, c.attempts, c.title, c.body, c.lease_until FROM claimed c
      UNION ALL
-     SELECT i.id, NULL, NULL, NULL, NULL, NULL
-       FROM @extschema@.issue i
-      WHERE i.id = ANY(ids) AND i.processing_status = 'DONE';
+     SELECT d.id, NULL, NULL, NULL, NULL, NULL
+       FROM asked a
+      CROSS JOIN LATERAL (
+            SELECT i.id FROM @extschema@.issue i
+             WHERE i.id = a.id AND i.processing_status = 'DONE'
+            OFFSET 0
+      ) d;
 END
 $$;
 
@@ -776,24 +787,35 @@ CREATE FUNCTION @extschema@.newsnack_complete(
     ids bigint[], claim_ids bigint[], headlines text[], bodies text[], writer text,
     prompt_tokens integer[], completion_tokens integer[]
 ) RETURNS TABLE (id bigint, claim_id bigint, written boolean)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
     WITH input AS (
-         SELECT * FROM unnest(ids, claim_ids, headlines, bodies, prompt_tokens, completion_tokens)
+         SELECT * FROM unnest((SELECT ids), claim_ids, headlines, bodies, prompt_tokens, completion_tokens)
                   AS t(id, claim_id, headline, body, prompt_tokens, completion_tokens)
      ), current AS (
-         SELECT i.id, i.claim_id FROM @extschema@.issue i JOIN input USING (id, claim_id)
-          WHERE i.id = ANY(ids) AND i.processing_status = 'IN_PROGRESS'
+         SELECT l.id, l.claim_id
+           FROM input
+          CROSS JOIN LATERAL (
+                SELECT i.id, i.claim_id FROM @extschema@.issue i
+                 WHERE i.id = input.id AND i.claim_id = input.claim_id
+                   AND i.processing_status = 'IN_PROGRESS'
+                OFFSET 0
+          ) l
      ), free AS MATERIALIZED (
-         SELECT i.id FROM @extschema@.issue i JOIN current USING (id, claim_id)
-          WHERE i.id = ANY(ids) AND i.processing_status = 'IN_PROGRESS'
-          ORDER BY i.id FOR UPDATE OF i SKIP LOCKED
+         SELECT l.id, l.ctid
+           FROM (SELECT c.id, c.claim_id FROM current c ORDER BY c.id) c
+          CROSS JOIN LATERAL (
+                SELECT i.id, i.ctid FROM @extschema@.issue i
+                 WHERE i.id = c.id AND i.claim_id = c.claim_id
+                   AND i.processing_status = 'IN_PROGRESS'
+                   FOR UPDATE OF i SKIP LOCKED
+          ) l
      ), done AS (
          UPDATE @extschema@.issue i SET processing_status = 'DONE'
            FROM current
-          WHERE i.id = ANY(ids) AND i.id IN (SELECT f.id FROM free f)
+          WHERE i.ctid = ANY(ARRAY(SELECT f.ctid FROM free f))
             AND i.id = current.id AND i.claim_id = current.claim_id
       RETURNING i.id, i.claim_id
      ), written AS (

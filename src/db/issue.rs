@@ -197,74 +197,15 @@ pub async fn count_by_status(client: &impl Sql) -> Result<Vec<(Status, i64)>, Db
     Ok(counts)
 }
 
-/// The claim of [`claim_issues`] sent unnamed: a call of `newsnack_claim`
-/// (migration 16), whose one statement ([`kept_claim_statement`]) keeps its
-/// generic plan for its server session whichever client it serves. Its
-/// parameters: the ids, the holder, the lease in seconds, and the attempt
-/// limit of a retry (NULL for a first claim, -1 for `PENDING` only).
+/// The claim of [`claim_issues`]: a call of `newsnack_claim` (migration
+/// 22), where its one statement is written. Its parameters: the ids, the
+/// holder, the lease in seconds, and the attempt limit of a retry (NULL
+/// for a first claim, -1 for `PENDING` only). Where a session may keep
+/// statements ([`super::Statements::Named`]) the call is parsed once per
+/// session; either way the server session keeps the plan of the
+/// function's statement, the generic one from its sixth call on.
 pub const CLAIM_STATEMENT: &str =
     "SELECT id, claim_id, attempts, title, body, lease_until FROM newsnack_claim($1, $2, $3, $4)";
-
-/// `newsnack_claim`'s statement with one scope's branch of its `CASE`
-/// written in; see [`kept_claim_statement`].
-macro_rules! kept_claim {
-    ($claimable:literal) => {
-        concat!(
-            "WITH claimable AS MATERIALIZED (
-         SELECT i.id
-           FROM issue i
-          WHERE i.id = ANY((SELECT $1::bigint[])::bigint[])
-            AND ",
-            $claimable,
-            "
-          ORDER BY i.id
-            FOR NO KEY UPDATE OF i SKIP LOCKED
-     ), claimed AS (
-         UPDATE issue i
-            SET processing_status = 'IN_PROGRESS',
-                attempts = i.attempts + 1,
-                claim_id = nextval('issue_claim_id_seq'),
-                claimed_by = $2,
-                lease_until = now() + make_interval(secs => $3)
-           FROM claimable c
-          WHERE i.id = c.id
-      RETURNING i.id, i.claim_id, i.attempts, i.title, i.body, i.lease_until
-     )
-     SELECT c.id, c.claim_id, c.attempts, c.title, c.body, c.lease_until FROM claimed c
-     UNION ALL
-     SELECT i.id, NULL, NULL, NULL, NULL, NULL
-       FROM issue i
-      WHERE i.id = ANY((SELECT $1::bigint[])::bigint[]) AND i.processing_status = 'DONE'"
-        )
-    };
-}
-
-/// The claim of [`claim_issues`] for `scope` where a session keeps it
-/// ([`super::Statements::Named`]): `newsnack_claim`'s statement itself,
-/// with the same parameters, which spares each claim the function's call
-/// (a fifth of a claim that takes nothing; docs/performance.md). It claims
-/// with `FOR NO KEY UPDATE SKIP LOCKED` over a materialised CTE and reports
-/// the requested ids it saw `DONE`.
-///
-/// One statement per scope, the function's `CASE` reduced to the scope's
-/// branch, and the values a plan could be costed by read through scalar
-/// subqueries: the ids, and a retry's attempt limit (`$4`, unused by the
-/// other two). No plan can see them, so every plan costs the same, the
-/// generic one wins by what planning costs, and the server keeps it from
-/// the sixth call on, whatever the table's statistics. Seeing them, it
-/// would find a custom plan cheaper for fewer than ten ids, or once most
-/// issues are done, and plan every call anew. A test holds each text to
-/// the function's.
-pub fn kept_claim_statement(scope: ClaimScope) -> &'static str {
-    match scope {
-        ClaimScope::Claimable => kept_claim!("i.processing_status IN ('PENDING', 'FAILED')"),
-        ClaimScope::Pending => kept_claim!("i.processing_status = 'PENDING'"),
-        ClaimScope::RetryBelow(_) => kept_claim!(
-            "i.processing_status = 'FAILED' AND i.attempts < (SELECT $4::integer)
-                          AND (i.retry_not_before IS NULL OR i.retry_not_before <= now())"
-        ),
-    }
-}
 
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
@@ -291,9 +232,8 @@ pub async fn claim_issues(
         ClaimScope::Pending => Some(-1),
         ClaimScope::RetryBelow(max) => Some(max),
     };
-    let rows = super::query_kept_or(
+    let rows = super::query_kept(
         client,
-        kept_claim_statement(scope),
         CLAIM_STATEMENT,
         &[
             (&ids, Type::INT8_ARRAY),
@@ -446,60 +386,23 @@ pub struct Completion {
 }
 
 /// The completion of [`complete`]: a call of `newsnack_complete`
-/// (migrations 16 and 17), which keeps its statement's generic plan for its
-/// server session. Its parameters: ids, claim ids, headlines and bodies (one
-/// element per completion), the writer, and the prompt and completion
-/// tokens (one element per completion, NULL where not reported). The statement looks the ids up
-/// by primary key (`= ANY(ids)`), however few issues the statistics say
-/// are in flight; only the rows of claims still current are locked, and
-/// rows another transaction holds are skipped, not waited for: one issue
-/// locked by a system editing it with plain SQL must not hold up every
-/// completion queued behind it, and a late worker must not make a
-/// concurrent claim skip an issue reset under it. The lock is `FOR UPDATE`,
-/// which also conflicts with the `FOR KEY SHARE` that another
-/// transaction's insert of an article for the issue holds: the article
-/// insert would otherwise wait for that transaction on the unique index.
-/// Answers one row per completion whose claim was current as of the
+/// (migration 22), where its one statement is written, kept as
+/// [`CLAIM_STATEMENT`] is. Its parameters: ids, claim ids, headlines and
+/// bodies (one element per completion), the writer, and the prompt and
+/// completion tokens (one element per completion, NULL where not
+/// reported). The statement looks the ids up by primary key (`= ANY(ids)`),
+/// however few issues the statistics say are in flight; only the rows of
+/// claims still current are locked, and rows another transaction holds are
+/// skipped, not waited for: one issue locked by a system editing it with
+/// plain SQL must not hold up every completion queued behind it, and a late
+/// worker must not make a concurrent claim skip an issue reset under it.
+/// The lock is `FOR UPDATE`, which also conflicts with the `FOR KEY SHARE`
+/// that another transaction's insert of an article for the issue holds: the
+/// article insert would otherwise wait for that transaction on the unique
+/// index. Answers one row per completion whose claim was current as of the
 /// statement's snapshot: its id, its claim id, and whether it was written.
 pub const COMPLETE_STATEMENT: &str =
     "SELECT id, claim_id, written FROM newsnack_complete($1, $2, $3, $4, $5, $6, $7)";
-
-/// The completion of [`complete`] where a session keeps it
-/// ([`super::Statements::Named`]): `newsnack_complete`'s statement itself,
-/// with the same parameters, which spares each completion the function's
-/// call and its `SET` clause, set and undone on every call (about a
-/// quarter of a completion's time in the database; docs/performance.md).
-/// The ids are read through scalar subqueries, as the kept claim's are
-/// ([`kept_claim_statement`]), so that no plan can see how many there are
-/// and the server keeps its generic plan. A test holds the text to the
-/// function's.
-pub const KEPT_COMPLETE_STATEMENT: &str = "WITH input AS (
-         SELECT * FROM unnest((SELECT $1::bigint[])::bigint[], $2::bigint[], $3::text[], $4::text[], $6::integer[], $7::integer[])
-                  AS t(id, claim_id, headline, body, prompt_tokens, completion_tokens)
-     ), current AS (
-         SELECT i.id, i.claim_id FROM issue i JOIN input USING (id, claim_id)
-          WHERE i.id = ANY((SELECT $1::bigint[])::bigint[]) AND i.processing_status = 'IN_PROGRESS'
-     ), free AS MATERIALIZED (
-         SELECT i.id FROM issue i JOIN current USING (id, claim_id)
-          WHERE i.id = ANY((SELECT $1::bigint[])::bigint[]) AND i.processing_status = 'IN_PROGRESS'
-          ORDER BY i.id FOR UPDATE OF i SKIP LOCKED
-     ), done AS (
-         UPDATE issue i SET processing_status = 'DONE'
-           FROM current
-          WHERE i.id = ANY((SELECT $1::bigint[])::bigint[]) AND i.id IN (SELECT f.id FROM free f)
-            AND i.id = current.id AND i.claim_id = current.claim_id
-      RETURNING i.id, i.claim_id
-     ), written AS (
-         INSERT INTO ai_article (issue_id, headline, body, writer, claim_id,
-                                 prompt_tokens, completion_tokens)
-         SELECT d.id, input.headline, input.body, $5, d.claim_id,
-                input.prompt_tokens, input.completion_tokens
-           FROM done d JOIN input ON input.id = d.id AND input.claim_id = d.claim_id
-      RETURNING issue_id, claim_id
-     )
-     SELECT c.id, c.claim_id, w.issue_id IS NOT NULL
-       FROM current c
-       LEFT JOIN written w ON w.issue_id = c.id AND w.claim_id = c.claim_id";
 
 /// Completes claims in one statement (so one transaction): each issue that
 /// is still `IN_PROGRESS` under its very claim is set `DONE` and its article
@@ -513,9 +416,8 @@ pub async fn complete(
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
     let tokens = |f: fn(&Completion) -> Option<i32>| completions.iter().map(f).collect::<Vec<_>>();
-    let current: BTreeMap<(i64, i64), bool> = super::query_kept_or(
+    let current: BTreeMap<(i64, i64), bool> = super::query_kept(
         client,
-        KEPT_COMPLETE_STATEMENT,
         COMPLETE_STATEMENT,
         &[
             (&column(|c| c.id), Type::INT8_ARRAY),

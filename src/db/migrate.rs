@@ -123,6 +123,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../sql/0021_less_per_write.sql"),
     },
     Migration {
+        version: 22,
+        name: "claim by key",
+        sql: include_str!("../../sql/0022_claim_by_key.sql"),
+    },
+    Migration {
         version: 25,
         name: "answer settings",
         sql: include_str!("../../sql/0025_answer_settings.sql"),

@@ -105,24 +105,13 @@ pub async fn query_kept(
     statement: &str,
     params: &TypedParams<'_>,
 ) -> Result<Vec<tokio_postgres::Row>, DbError> {
-    query_kept_or(client, statement, statement, params).await
-}
-
-/// [`query_kept`] for a statement that has another form where nothing may
-/// be kept: `kept` where the session keeps it, `unnamed` otherwise.
-pub async fn query_kept_or(
-    client: &impl Sql,
-    kept: &str,
-    unnamed: &str,
-    params: &TypedParams<'_>,
-) -> Result<Vec<tokio_postgres::Row>, DbError> {
     use tokio_postgres::error::SqlState;
     use tokio_postgres::GenericClient as _;
     if let Some(session) = client.named() {
         let types: Vec<_> = params.iter().map(|(_, t)| t.clone()).collect();
         let values: Vec<_> = params.iter().map(|(v, _)| *v).collect();
         let named = async {
-            let prepared = session.prepare_typed_cached(kept, &types).await?;
+            let prepared = session.prepare_typed_cached(statement, &types).await?;
             session.query(&prepared, &values).await
         };
         match named.await {
@@ -141,7 +130,7 @@ pub async fn query_kept_or(
             answer => return Ok(answer?),
         }
     }
-    Ok(client.sql().query_typed(unnamed, params).await?)
+    Ok(client.sql().query_typed(statement, params).await?)
 }
 
 /// [`query_kept`] for a statement that returns exactly one row.
