@@ -7,8 +7,8 @@
 //! and stopped; then `postgres --single` runs, under callgrind, a script of
 //! [`CLAIMS`] one-id claims, each its own transaction, once per way: first
 //! each on a fresh issue (with the transition triggers), then each on an
-//! issue already claimed, a claim that takes nothing (most claims of a
-//! together start). The ways:
+//! issue already claimed, a claim that takes nothing (most claims when
+//! every client asks for the same window). The ways:
 //!
 //! - `prepared_generic`: a named prepared statement with a generic plan,
 //!   what the service sent before it had to work through a transaction
@@ -151,7 +151,7 @@ async fn main() {
         held_id <= next_id,
         "the claims that take nothing ask for held issues"
     );
-    // A whole claimed issue: the kept claim, then the completion as a
+    // A whole claimed issue: the prepared claim, then the completion as a
     // pooler's session sends it (the function's call), each its own
     // transaction, with fresh issues: both statements' checks and rules
     // and both transitions' records.
