@@ -220,7 +220,10 @@ impl Generator {
         // The generations of each issue (one, but for a moment after a
         // claim was lost and the issue claimed here again).
         let mut by_issue: HashMap<i64, Vec<tokio::task::Id>> = HashMap::new();
-        let mut transitions = self.transitions.take();
+        let mut exits = self
+            .transitions
+            .take()
+            .map(|stream| watch_exits(stream, shutdown.clone()));
         let mut recent_exits = RecentExits::default();
         loop {
             tokio::select! {
@@ -260,22 +263,18 @@ impl Generator {
                     }
                     claims.insert(task.id(), in_flight);
                 }
-                next = async { transitions.as_mut().expect("guarded").next_through_outages().await }, if transitions.is_some() => match next {
-                    Ok(t) if t.from == Some(Status::InProgress) => {
-                        recent_exits.remember(t.issue_id, t.attempts);
-                        for task in by_issue.get(&t.issue_id).into_iter().flatten() {
+                exit = async { exits.as_mut().expect("guarded").recv().await }, if exits.is_some() => match exit {
+                    Some((issue_id, attempts)) => {
+                        recent_exits.remember(issue_id, attempts);
+                        for task in by_issue.get(&issue_id).into_iter().flatten() {
                             if let Some(task) = claims.get(task) {
                                 task.left_in_progress.notify_one();
                             }
                         }
                     }
-                    Ok(_) => {}
-                    Err(e) => {
-                        // The listener stopped (shutdown): the heartbeat
-                        // still finds lost claims.
-                        tracing::warn!(error = %e, "generator lost its transition stream");
-                        transitions = None;
-                    }
+                    // The stream ended (shutdown): the heartbeat still finds
+                    // lost claims.
+                    None => exits = None,
                 },
                 // The budget reads `generation_concurrency` itself.
                 Ok(()) = self.settings_changed.changed(), if agent.is_none() => {
@@ -340,6 +339,40 @@ struct InFlight {
     claim: (i64, i64),
     start: Arc<Start>,
     left_in_progress: Arc<Notify>,
+}
+
+/// Follows `transitions` on a task of its own and passes on only the
+/// issues that left `IN_PROGRESS` for `FAILED` (issue, attempts): the
+/// generator's loop is not woken for the many transitions that cannot
+/// cancel anything, and the stream is read as fast as the listener
+/// publishes, so it never falls behind and has to read the log. Ends with
+/// `shutdown` or the listener.
+fn watch_exits(
+    mut transitions: TransitionStream,
+    shutdown: CancellationToken,
+) -> mpsc::UnboundedReceiver<(i64, i32)> {
+    let (exits, exited) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                next = transitions.next_through_outages() => next,
+            };
+            match next {
+                Ok(t) if t.from == Some(Status::InProgress) && t.to == Status::Failed => {
+                    if exits.send((t.issue_id, t.attempts)).is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "generator lost its transition stream");
+                    return;
+                }
+            }
+        }
+    });
+    exited
 }
 
 /// The last transitions out of `IN_PROGRESS` seen (issue, attempts as of
