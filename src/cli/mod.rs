@@ -124,7 +124,7 @@ pub enum Command {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum GrantKind {
     /// Read every table; add issues; change an issue's processing_status,
-    /// title, body, score and collected_at.
+    /// title, body, score, collected_at and source_key.
     Writer,
     /// Read every table; nothing else.
     Reader,
@@ -191,7 +191,8 @@ pub struct TailArgs {
 #[derive(Debug, Subcommand)]
 pub enum IssuesCommand {
     /// Add one issue from flags, or many from a JSON file
-    /// (`[{"title":..,"body":..,"score":..}]` or `{"issues":[..]}`).
+    /// (`[{"title":..,"body":..,"score":..,"source_key":..}]` or
+    /// `{"issues":[..]}`). Prints `{"ids":[..],"existing":[..]}`.
     Add {
         #[arg(long, required_unless_present = "file", conflicts_with = "file")]
         title: Option<String>,
@@ -202,6 +203,11 @@ pub enum IssuesCommand {
         /// RFC 3339 time the issue was collected (default: now).
         #[arg(long, value_parser = parse_rfc3339)]
         collected_at: Option<OffsetDateTime>,
+        /// The collector's key for the story (1 to 1000 characters): if an
+        /// issue already holds it, nothing is added and that issue's id is
+        /// printed (also listed under "existing").
+        #[arg(long, value_name = "KEY", conflicts_with = "file")]
+        source_key: Option<String>,
         /// A JSON file of issues ("-" for standard input).
         #[arg(long)]
         file: Option<std::path::PathBuf>,
@@ -471,6 +477,7 @@ async fn issues(database: &db::Database, cmd: IssuesCommand) -> Result<ExitCode,
             body,
             score,
             collected_at,
+            source_key,
             file,
         } => {
             let new = match (title, file) {
@@ -479,6 +486,7 @@ async fn issues(database: &db::Database, cmd: IssuesCommand) -> Result<ExitCode,
                     body,
                     score,
                     collected_at,
+                    source_key,
                 }],
                 (None, Some(path)) => read_issue_file(&path)?,
                 _ => return Err(CliError::Failed("give either --title or --file".into())),
@@ -486,8 +494,11 @@ async fn issues(database: &db::Database, cmd: IssuesCommand) -> Result<ExitCode,
             input::check_new_issues(&new)?;
             let pool = open(database).await?;
             let client = pool.get().await.map_err(DbError::from)?;
-            let ids = db::issue::insert_issues(&client, &new).await?;
-            println!("{}", serde_json::json!({ "ids": ids }));
+            let added = db::issue::add_issues(&client, &new).await?;
+            println!(
+                "{}",
+                serde_json::json!({ "ids": added.ids, "existing": added.existing })
+            );
             Ok(ExitCode::SUCCESS)
         }
         IssuesCommand::Show { id } => {

@@ -122,6 +122,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "less per write",
         sql: include_str!("../../sql/0021_less_per_write.sql"),
     },
+    Migration {
+        version: 23,
+        name: "running for years",
+        sql: include_str!("../../sql/0023_running_for_years.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.
