@@ -18,6 +18,7 @@ use crate::db::role::{self, RoleKind};
 use crate::db::{self, DbError, DbPool, PoolOptions};
 use crate::embedded::EmbeddedError;
 use crate::events::listener::{Listener, ListenerOptions};
+use crate::events::stream::StreamItem;
 use crate::input::{self, InvalidInput};
 use crate::model::status::Status;
 use crate::settings::Settings;
@@ -103,6 +104,14 @@ pub enum Command {
     RunPipeline,
     /// List the advisory locks held in the database and who holds them.
     Locks,
+    /// Remove what the retention settings no longer keep (log_retention_days,
+    /// issue_retention_days), in small transactions; prints the rows removed
+    /// per table as one JSON object. `serve` does this by itself hourly.
+    Prune {
+        /// Only count what would be removed; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Give another system's role least privilege: writer or reader.
     ///
     /// Takes away whatever else the role held on newsnack's tables,
@@ -174,7 +183,8 @@ pub struct ServeArgs {
 pub struct TailArgs {
     /// Start after this log position (0 replays the whole history);
     /// default: from now on. A position beyond the log's end starts at its
-    /// end, with a warning.
+    /// end, and one older than the log keeps (pruned) at its oldest kept
+    /// transition, each with a warning.
     #[arg(long, value_name = "SEQ", value_parser = clap::value_parser!(i64).range(0..))]
     pub since: Option<i64>,
     /// Only this issue's transitions.
@@ -283,6 +293,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::RunPipeline => run_pipeline(&database("newsnack-cli")?).await,
         Command::Locks => locks(&database("newsnack-cli")?).await,
+        Command::Prune { dry_run } => prune(&database("newsnack-cli")?, dry_run).await,
         Command::Grant { kind, role } => {
             grant(&database("newsnack-grant")?, kind.into(), &role).await
         }
@@ -413,9 +424,17 @@ async fn tail(database: &db::Database, args: TailArgs) -> Result<ExitCode, CliEr
     loop {
         let next = tokio::select! {
             _ = shutdown.cancelled() => return Ok(ExitCode::SUCCESS),
-            next = stream.next_through_outages() => next,
+            next = stream.next_item_through_outages() => next,
         };
-        let t = next.map_err(|e| CliError::Failed(e.to_string()))?;
+        let t = match next.map_err(|e| CliError::Failed(e.to_string()))? {
+            StreamItem::Transition(t) => t,
+            StreamItem::Pruned { oldest } => {
+                crate::logging::eprint_line(format_args!(
+                    "newsnack: transitions before seq {oldest} were pruned (log_retention_days); following from the oldest kept, {oldest}"
+                ));
+                continue;
+            }
+        };
         if args.status.is_some_and(|s| s != t.to) {
             continue;
         }
@@ -721,6 +740,15 @@ async fn run_pipeline(database: &db::Database) -> Result<ExitCode, CliError> {
         }
         Err(crate::briefing::run::PipelineError::Db(e)) => Err(e.into()),
     }
+}
+
+async fn prune(database: &db::Database, dry_run: bool) -> Result<ExitCode, CliError> {
+    let pool = open(database).await?;
+    let retention = Settings::load(&pool).await?.retention();
+    let client = pool.get().await.map_err(DbError::from)?;
+    let report = db::retention::prune(&client, &retention, dry_run).await?;
+    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn locks(database: &db::Database) -> Result<ExitCode, CliError> {

@@ -58,6 +58,11 @@ pub struct Settings {
     pub timezone: String,
     /// A template with `{date}`, filled in when a briefing is assembled.
     pub briefing_title: String,
+    /// Days transitions, pipeline runs and the LLM budget's bookkeeping
+    /// are kept (0: forever).
+    pub log_retention_days: i64,
+    /// Days finished issues are kept after their last update (0: forever).
+    pub issue_retention_days: i64,
 }
 
 impl Default for Settings {
@@ -79,6 +84,8 @@ impl Default for Settings {
             llm_user_prompt: Prompts::DEFAULT.user_template.into(),
             timezone: "UTC".into(),
             briefing_title: DEFAULT_BRIEFING_TITLE.into(),
+            log_retention_days: 30,
+            issue_retention_days: 0,
         }
     }
 }
@@ -107,6 +114,8 @@ impl Settings {
         take("retry_backoff_max_ms", &mut s.retry_backoff_max_ms);
         take("llm_max_in_flight", &mut s.llm_max_in_flight);
         take("llm_requests_per_minute", &mut s.llm_requests_per_minute);
+        take("log_retention_days", &mut s.log_retention_days);
+        take("issue_retention_days", &mut s.issue_retention_days);
         for (key, slot) in [
             ("schedule", &mut s.schedule),
             ("llm_system_prompt", &mut s.llm_system_prompt),
@@ -134,6 +143,15 @@ impl Settings {
         self.timezone
             .parse()
             .map_err(|_| SettingError::UnknownTimeZone(self.timezone.clone()))
+    }
+
+    /// What a prune keeps.
+    pub fn retention(&self) -> db::retention::Retention {
+        db::retention::Retention {
+            log_days: self.log_retention_days,
+            issue_days: self.issue_retention_days,
+            max_attempts: self.max_attempts,
+        }
     }
 
     pub fn lease(&self) -> Duration {
