@@ -70,7 +70,7 @@ use newsnack::claims::claim::Claimer;
 use newsnack::db::issue::{claim_issues, insert_issues, ClaimScope, NewIssue};
 use newsnack::db::{self, DbPool, PoolOptions, Statements};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::events::listener::TransitionHub;
+use newsnack::events::hub::EventHub;
 use newsnack::model::status::Status;
 use newsnack::serve::{RunningService, ServeOptions};
 use newsnack::writer::{OfflineWriter, SharedWriter};
@@ -650,7 +650,7 @@ async fn scalar(pool: &DbPool, sql: &str) -> i64 {
 
 /// Waits until `want` transitions into `DONE` after `after_seq` have been
 /// seen on the gapless stream; returns when the last one arrived.
-async fn wait_for_done(hub: &TransitionHub, after_seq: i64, want: usize) -> Instant {
+async fn wait_for_done(hub: &EventHub, after_seq: i64, want: usize) -> Instant {
     let mut stream = hub.stream_after(after_seq, None);
     let mut seen = 0;
     let wait = async {

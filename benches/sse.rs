@@ -839,7 +839,7 @@ fn spawn_on_own_thread<T: Send + 'static>(
 /// by one client from once all of it is published (see the module docs).
 async fn huge_commit(
     events: &str,
-    hub: &newsnack::events::listener::TransitionHub,
+    hub: &newsnack::events::hub::EventHub,
     writer: &tokio_postgres::Client,
     n: i32,
 ) -> serde_json::Value {
@@ -897,7 +897,7 @@ async fn huge_commit(
     })
 }
 
-async fn until_published(hub: &newsnack::events::listener::TransitionHub, seq: i64) {
+async fn until_published(hub: &newsnack::events::hub::EventHub, seq: i64) {
     let mut status = hub.status();
     tokio::time::timeout(
         Duration::from_secs(60),

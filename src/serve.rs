@@ -12,12 +12,14 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::briefing::run::{Pipeline, PipelineScheduler};
+use crate::briefing::run::Pipeline;
+use crate::briefing::scheduler::PipelineScheduler;
 use crate::claims::claim::Claimer;
 use crate::claims::known_done::DoneIssues;
 use crate::db::{self, DbError, PoolOptions};
 use crate::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedPostgres};
-use crate::events::listener::{Listener, ListenerOptions, TransitionHub};
+use crate::events::hub::EventHub;
+use crate::events::listener::{Listener, ListenerOptions};
 use crate::generation::budget::LlmBudget;
 use crate::generation::reaper::LeaseReaper;
 use crate::generation::retry::{RetryScheduler, RetryScope};
@@ -79,7 +81,7 @@ pub struct RunningService {
     /// Where the API listens (the real port when asked for port 0).
     pub addr: SocketAddr,
     pub database_url: String,
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     shutdown: CancellationToken,
     core: Core,
     http: tokio::task::JoinHandle<Result<(), std::io::Error>>,
@@ -134,7 +136,7 @@ impl RunningService {
 pub struct Core {
     pub db: db::Database,
     pub pool: db::DbPool,
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     pub settings: Arc<SettingsCache>,
     pub claimer: Claimer,
     pub generator: GeneratorHandle,

@@ -756,7 +756,7 @@ async fn a_claim_answered_but_never_read_is_released() {
 
 /// Waits for `id` to be released as a claim nobody wanted: `FAILED` with
 /// its attempt given back.
-async fn released_unwanted(db: &TestDb, hub: &newsnack::events::listener::TransitionHub, id: i64) {
+async fn released_unwanted(db: &TestDb, hub: &newsnack::events::hub::EventHub, id: i64) {
     common::until_status(db, hub, 30, id, "FAILED").await;
     let row = db
         .raw()

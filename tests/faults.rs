@@ -26,7 +26,8 @@ use common::subscribers::Recording;
 use common::{until_published, until_sql, within, TestDb};
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::events::listener::{Listener, ListenerOptions, ListenerStatus, TransitionHub};
+use newsnack::events::hub::{EventHub, ListenerStatus};
+use newsnack::events::listener::{Listener, ListenerOptions};
 use newsnack::serve::{RunningService, ServeOptions};
 use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
 use serde_json::{json, Value};
@@ -94,7 +95,7 @@ fn quick_reconnects() -> ListenerOptions {
     }
 }
 
-fn audit(pool: &DbPool, hub: &TransitionHub) -> Audit {
+fn audit(pool: &DbPool, hub: &EventHub) -> Audit {
     Audit {
         pool: pool.clone(),
         hub: hub.clone(),
@@ -168,7 +169,7 @@ async fn answered(waits: Vec<tokio::task::JoinHandle<WaitRecord>>) -> Vec<WaitRe
 
 /// Waits until the listener's state satisfies `condition`.
 async fn until_listener(
-    hub: &TransitionHub,
+    hub: &EventHub,
     secs: u64,
     what: &str,
     condition: impl Fn(&ListenerStatus) -> bool,
@@ -182,7 +183,7 @@ async fn until_listener(
 }
 
 /// Like `until_sql`, for a database that is not a `TestDb`.
-async fn until_true(pool: &DbPool, hub: &TransitionHub, secs: u64, sql: &str) {
+async fn until_true(pool: &DbPool, hub: &EventHub, secs: u64, sql: &str) {
     let mut live = hub.subscribe();
     within(secs, sql, async {
         loop {

@@ -317,7 +317,7 @@ async fn post_issue_titled(db: &TestDb, addr: std::net::SocketAddr, title: &str)
 /// Waits until issue `id` is `FAILED` after `attempts` attempts.
 async fn until_failed_after(
     db: &TestDb,
-    hub: &newsnack::events::listener::TransitionHub,
+    hub: &newsnack::events::hub::EventHub,
     id: i64,
     attempts: i32,
 ) {
@@ -333,7 +333,7 @@ async fn until_failed_after(
 }
 
 /// Waits until every issue in the database is `DONE`.
-async fn until_all_done(db: &TestDb, hub: &newsnack::events::listener::TransitionHub) {
+async fn until_all_done(db: &TestDb, hub: &newsnack::events::hub::EventHub) {
     until_sql(
         db,
         hub,
@@ -713,7 +713,7 @@ impl writer::Writer for HeldWriter {
 /// A generator on `pool` with a [`held_writer`], its listener and settings
 /// on the test database's own pool; `stop` ends them.
 struct HeldGenerator {
-    hub: newsnack::events::listener::TransitionHub,
+    hub: newsnack::events::hub::EventHub,
     stop: tokio_util::sync::CancellationToken,
     handle: newsnack::generation::worker::GeneratorHandle,
     calls: watch::Receiver<u32>,

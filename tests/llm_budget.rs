@@ -96,7 +96,7 @@ async fn setting(db: &TestDb, key: &str) -> String {
         .get(0)
 }
 
-async fn until_done(db: &TestDb, hub: &newsnack::events::listener::TransitionHub, ids: &[i64]) {
+async fn until_done(db: &TestDb, hub: &newsnack::events::hub::EventHub, ids: &[i64]) {
     until_sql(
         db,
         hub,

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use common::{within, TestDb};
 use futures::future::{BoxFuture, FutureExt};
-use newsnack::events::listener::TransitionHub;
+use newsnack::events::hub::EventHub;
 use newsnack::model::status::Status;
 use newsnack::serve::{RunningService, ServeOptions};
 use newsnack::writer::{
@@ -585,7 +585,7 @@ impl Writer for ScriptedWriter {
 }
 
 /// The listener's reconnect count, once it differs from `seen`.
-async fn reconnected(hub: &TransitionHub, seen: u64) -> u64 {
+async fn reconnected(hub: &EventHub, seen: u64) -> u64 {
     let mut status = hub.status();
     within(20, "the listener to reconnect", async {
         loop {

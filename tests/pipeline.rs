@@ -615,7 +615,7 @@ async fn two_schedulers_run_each_tick_once_and_the_survivor_takes_over() {
 /// it once all five are claimed (so the run holds its lock and waits).
 async fn run_pipeline_in_flight(
     db: &TestDb,
-    hub: &newsnack::events::listener::TransitionHub,
+    hub: &newsnack::events::hub::EventHub,
     llm: &str,
 ) -> std::process::Child {
     let ids = scored_issues(db, &[1.0, 2.0, 3.0, 4.0, 5.0]).await;

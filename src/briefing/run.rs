@@ -1,40 +1,35 @@
-//! The daily pipeline and its scheduler.
+//! One pipeline run: select → claim → wait → assemble, recorded in
+//! `pipeline_run`.
 //!
-//! One run is the original DAG's steps: `select_target_issues` (the `top_k` hottest
-//! issues collected within `lookback_hours` that are not `DONE`) →
+//! The steps are the original DAG's: `select_target_issues` (the `top_k`
+//! hottest issues collected within `lookback_hours` that are not `DONE`) →
 //! `check_generation_needed` (claim the `PENDING`/`FAILED` ones; those in
 //! progress elsewhere are simply waited for) → generate → smart wait →
 //! assemble the briefing from exactly the ids the wait returned. Every run
 //! is recorded in `pipeline_run`; a `skip` publishes no briefing.
 //!
-//! Exactly one run at a time, cluster-wide: a run holds the `pipeline`
-//! advisory lock on a connection of its own for its whole length, released
-//! on every exit path; if that session ends, the run takes the lock again,
-//! or stops at once when another session took it ([`keep_lock`]). The
-//! scheduler in each `serve` instance wakes at every tick of the `schedule`
-//! setting and tries the lock; the one that gets it runs, the others skip,
-//! and `pipeline_run`'s one-run-per-tick index makes a late instance skip a
-//! tick that already ran.
+//! A run holds the pipeline lock from start to end ([`super::lock`]), so
+//! only one runs at a time cluster-wide, and it publishes only while the
+//! server still sees that lock held. The scheduler that starts runs is
+//! [`super::scheduler`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use time::OffsetDateTime;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::briefing::assembly::{self, AssembleError};
-use crate::briefing::wait::{self, WaitError, WaitOutcome, WaitRequest};
+use crate::briefing::lock::{LockHolder, RunLock};
+use crate::briefing::wait::{self, WaitError, WaitOutcome, WaitReport, WaitRequest};
 use crate::claims::claim::Claimer;
-use crate::db::advisory::{self, AdvisoryLock};
 use crate::db::issue::ClaimScope;
 use crate::db::pipeline_run::{self, RunRecord};
 use crate::db::{DbError, DbPool};
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::generation::retry::RetryScope;
 use crate::generation::worker::GeneratorHandle;
 use crate::model::llm::Priority;
-use crate::settings::schedule::Schedule;
 use crate::settings::{Settings, SettingsCache};
 
 /// What starts a run.
@@ -80,7 +75,7 @@ pub struct Pipeline {
     /// The direct endpoint: the run's lock needs a session of its own.
     pub direct: crate::db::Endpoint,
     pub pool: DbPool,
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     pub claimer: Claimer,
     pub generator: GeneratorHandle,
     pub settings: Arc<SettingsCache>,
@@ -93,7 +88,7 @@ impl Pipeline {
     /// Runs once under the pipeline lock. `Ok(None)` when this tick already
     /// ran elsewhere; `Err(Busy)` when another run holds the lock.
     ///
-    /// The lock is kept for the whole run (see [`keep_lock`]): should its
+    /// The lock is kept for the whole run (see [`super::lock`]): should its
     /// session end and another instance take the lock, the run stops at
     /// once and is recorded as an `error` without a briefing. Its last
     /// step, publishing the briefing and recording the outcome in one
@@ -109,36 +104,22 @@ impl Pipeline {
         trigger: Trigger,
         cancel: &CancellationToken,
     ) -> Result<Option<RunSummary>, PipelineError> {
-        let Some(lock) =
-            AdvisoryLock::try_acquire(&self.direct, advisory::PIPELINE, &self.instance).await?
-        else {
+        let Some(lock) = RunLock::try_take(&self.direct, &self.instance, cancel).await? else {
             return Err(PipelineError::Busy);
         };
-        let _held = crate::metrics::advisory_lock_held(advisory::name_of(lock.key()));
-        let (holder_tx, holder) = watch::channel(Some(lock.pid()));
-        let stop = cancel.child_token();
-        let done = CancellationToken::new();
-        // The keeper owns the lock and releases it once `done`, which is
-        // cancelled on every exit, this future being dropped mid-run included.
-        let _finished = done.clone().drop_guard();
-        let keeper = tokio::spawn(keep_lock(
-            lock,
-            self.direct.clone(),
-            self.instance.clone(),
-            holder_tx,
-            stop.clone(),
-            done.clone(),
-        ));
         // A scheduled run's tick passes with it, so at a shutdown it
         // decides on what is done rather than being abandoned; a manual
         // run stopped by its operator is abandoned.
         let decide_now = matches!(trigger, Trigger::Schedule(_)).then_some(cancel);
-        let result = self.run(trigger, &stop, decide_now, &holder).await;
-        done.cancel();
-        let _ = keeper.await;
+        let result = self
+            .run(trigger, lock.stop(), decide_now, lock.holder())
+            .await;
+        lock.release().await;
         result
     }
 
+    /// The run under its lock: opens its `pipeline_run` row, carries it
+    /// out, and always closes the row, failed runs included.
     async fn run(
         &self,
         trigger: Trigger,
@@ -202,25 +183,11 @@ impl Pipeline {
         decide_now: Option<&CancellationToken>,
         record: &mut RunRecord,
     ) -> Result<bool, PipelineError> {
-        let client = self.pool.get().await.map_err(DbError::from)?;
-        let candidates = pipeline_run::select_targets(
-            &client,
-            settings.top_k,
-            settings.lookback_hours,
-            settings.max_attempts,
-            settings.wait_timeout().as_secs_f64(),
-        )
-        .await?;
-        drop(client);
-        let targets: Vec<i64> = candidates.iter().map(|&(id, _)| id).collect();
-        let (mut pending, mut failed) = (Vec::new(), Vec::new());
-        for &(id, is_pending) in &candidates {
-            if is_pending {
-                pending.push(id);
-            } else {
-                failed.push(id);
-            }
-        }
+        let Targets {
+            all: targets,
+            pending,
+            failed,
+        } = self.select_targets(settings).await?;
         tracing::info!(run_id, ?targets, "pipeline run started");
         record.targets = targets.clone();
         self.retry_scope.add(&targets);
@@ -229,25 +196,9 @@ impl Pipeline {
             record.error = Some("no candidate issues".into());
             return Ok(false);
         }
-
-        // New issues, and failed ones as an automatic retry would take them
-        // (attempts left, any `Retry-After` passed); a failed one not due
-        // yet is claimed by a retry scheduler when it is, and the wait
-        // covers it all the same.
-        let mut stragglers = Vec::new();
-        for (ids, scope) in [
-            (pending, ClaimScope::Pending),
-            (failed, ClaimScope::RetryBelow(settings.max_attempts as i32)),
-        ] {
-            if ids.is_empty() {
-                continue;
-            }
-            let skipped = self.claim(ids, scope, settings, record).await?;
-            if scope == ClaimScope::Pending {
-                stragglers = skipped;
-            }
-        }
-
+        let stragglers = self
+            .claim_targets(pending, failed, settings, record)
+            .await?;
         let request = WaitRequest {
             issue_ids: targets.clone(),
             timeout: settings.wait_timeout(),
@@ -259,43 +210,54 @@ impl Pipeline {
             waited = wait::smart_wait_deciding_early(&self.hub, request, decide_now, stop) => waited,
             never = self.claim_stragglers(stragglers, settings, record) => match never {},
         };
-        // In target order (hottest first).
-        record
-            .claimed
-            .sort_by_key(|id| targets.iter().position(|t| t == id));
-        let report = match waited {
-            Ok(report) => report,
-            Err(e) => {
-                record.outcome = if matches!(e, WaitError::ShuttingDown) {
-                    "abandoned"
-                } else {
-                    "error"
-                }
-                .into();
-                record.error = Some(e.to_string());
-                return Ok(false);
+        Ok(record_wait(record, &targets, waited))
+    }
+
+    /// The run's targets, as `select_target_issues` picks them.
+    async fn select_targets(&self, settings: &Settings) -> Result<Targets, PipelineError> {
+        let client = self.pool.get().await.map_err(DbError::from)?;
+        let candidates = pipeline_run::select_targets(
+            &client,
+            settings.top_k,
+            settings.lookback_hours,
+            settings.max_attempts,
+            settings.wait_timeout().as_secs_f64(),
+        )
+        .await?;
+        let mut targets = Targets::default();
+        for (id, is_pending) in candidates {
+            targets.all.push(id);
+            if is_pending {
+                targets.pending.push(id);
+            } else {
+                targets.failed.push(id);
             }
-        };
-        record.outcome = report.outcome.as_str().into();
-        record.failed = report.failed.clone();
-        record.unfinished = report.unfinished.clone();
-        record.waited_ms = Some(report.waited_ms as i64);
-        // Reading order: hottest first, as selected.
-        record.completed = targets
-            .iter()
-            .copied()
-            .filter(|id| report.completed.contains(id))
-            .collect();
-        if report.outcome == WaitOutcome::Skip {
-            return Ok(false);
         }
-        if record.completed.is_empty() {
-            // Possible when the minimum is set to 0: the run passes with
-            // nothing to put in a briefing.
-            record.error = Some("no article completed: no briefing".into());
-            return Ok(false);
+        Ok(targets)
+    }
+
+    /// Claims the new targets, and the failed ones as an automatic retry
+    /// would take them (attempts left, any `Retry-After` passed); returns
+    /// the new ones it skipped. A failed one not due yet is claimed by a
+    /// retry scheduler when it is, and the wait covers it all the same.
+    async fn claim_targets(
+        &self,
+        pending: Vec<i64>,
+        failed: Vec<i64>,
+        settings: &Settings,
+        record: &mut RunRecord,
+    ) -> Result<Vec<i64>, PipelineError> {
+        let mut stragglers = Vec::new();
+        if !pending.is_empty() {
+            stragglers = self
+                .claim(pending, ClaimScope::Pending, settings, record)
+                .await?;
         }
-        Ok(true)
+        if !failed.is_empty() {
+            let retry = ClaimScope::RetryBelow(settings.max_attempts as i32);
+            self.claim(failed, retry, settings, record).await?;
+        }
+        Ok(stragglers)
     }
 
     /// Claims `ids` and hands what it got to the generator; the ids it
@@ -369,7 +331,7 @@ impl Pipeline {
         lock: &LockHolder,
         settings: &Settings,
     ) -> Result<Option<RunSummary>, PipelineError> {
-        if lock.borrow().is_none() && record.outcome == "abandoned" {
+        if lock.is_lost() && record.outcome == "abandoned" {
             record.lock_lost();
         }
         let recorded = match self
@@ -445,7 +407,7 @@ impl Pipeline {
     /// One transaction: the briefing of `record.completed` (when publishing
     /// under `lock`) and the run's outcome, committed only if the run is
     /// still `running`. The briefing goes in only if the server still sees
-    /// the lock held by its session ([`still_holds`]), whether or not its
+    /// the lock held by its session ([`LockHolder::still_holds`]), whether or not its
     /// loss was noticed here yet; a later holder's `abandon_stale` then waits for this
     /// transaction on the run's row, so the two runs never overlap in what
     /// they publish.
@@ -460,7 +422,7 @@ impl Pipeline {
         let transaction = client.transaction().await.map_err(DbError::from)?;
         let mut publish = publish_under.is_some();
         if let Some(lock) = publish_under {
-            if !still_holds(&transaction, lock).await? {
+            if !lock.still_holds(&transaction).await? {
                 record.lock_lost();
                 publish = false;
             }
@@ -491,6 +453,8 @@ const LOCK_LOST: &str = "the pipeline lock was lost mid-run (its database sessio
                          database stayed unreachable); stopped without a briefing";
 
 impl RunRecord {
+    /// Records the run as stopped by the loss of its lock: an error, and
+    /// no briefing.
     fn lock_lost(&mut self) {
         self.outcome = "error".into();
         self.error = Some(LOCK_LOST.into());
@@ -498,293 +462,59 @@ impl RunRecord {
     }
 }
 
-/// Whether the run still holds its lock, as the server sees it. When the
-/// server no longer sees the lock's session holding it, waits (bounded) for
-/// the keeper's verdict: the lock taken again, or lost for good.
-async fn still_holds(client: &impl crate::db::Sql, lock: &LockHolder) -> Result<bool, DbError> {
-    let mut lock = lock.clone();
-    let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
-    loop {
-        let Some(pid) = *lock.borrow_and_update() else {
-            return Ok(false);
-        };
-        if advisory::held_by(client, advisory::PIPELINE, pid).await? {
-            return Ok(true);
-        }
-        match tokio::time::timeout_at(deadline, lock.changed()).await {
-            Ok(Ok(())) => continue,
-            _ => return Ok(false),
-        }
-    }
+/// The issues a run selected.
+#[derive(Default)]
+struct Targets {
+    /// All of them, hottest first: the briefing's reading order.
+    all: Vec<i64>,
+    /// The new ones (`PENDING`).
+    pending: Vec<i64>,
+    /// The ones to retry (`FAILED`).
+    failed: Vec<i64>,
 }
 
-/// The pipeline lock as a run sees it: the backend pid of the session
-/// holding it, or `None` once it is lost for good.
-type LockHolder = watch::Receiver<Option<i32>>;
-
-/// How often the lock's session is pinged, so that an idle-session timeout
-/// or a dead connection is found during a long wait.
-const LOCK_PING: Duration = Duration::from_secs(10);
-/// How long taking the lock again waits for its holder: the ended session
-/// may still be letting go of it. Held longer than this, it is another's.
-const RETAKE_WAIT: Duration = Duration::from_secs(2);
-/// How many times, a second apart, a lost lock is taken again while the
-/// database cannot be reached (e.g. during a failover).
-const RETAKE_ATTEMPTS: u32 = 5;
-/// How long the last step waits for the keeper's verdict on a lock whose
-/// session the server no longer sees (taken again, or lost for good).
-const VERDICT_WAIT: Duration = Duration::from_secs(20);
-
-/// Holds the run's lock until `done`: pings its session, and if that
-/// session ends (an idle timeout, `pg_terminate_backend`, a failover),
-/// takes the lock again on a new one, so the run and its tick are not lost.
-/// If another session took the lock meanwhile, or the database stays
-/// unreachable, the lock is lost for good: `holder` says so and `stop` ends
-/// the run.
-async fn keep_lock(
-    mut lock: AdvisoryLock,
-    direct: crate::db::Endpoint,
-    instance: String,
-    holder: watch::Sender<Option<i32>>,
-    stop: CancellationToken,
-    done: CancellationToken,
-) {
-    loop {
-        let session_ended = lock.lost();
-        let alive = tokio::select! {
-            _ = done.cancelled() => {
-                lock.release().await;
-                return;
+/// Fills in `record` from how the wait over `targets` ended; true when a
+/// briefing of `record.completed` is to be published.
+fn record_wait(
+    record: &mut RunRecord,
+    targets: &[i64],
+    waited: Result<WaitReport, WaitError>,
+) -> bool {
+    // In target order (hottest first).
+    record
+        .claimed
+        .sort_by_key(|id| targets.iter().position(|t| t == id));
+    let report = match waited {
+        Ok(report) => report,
+        Err(e) => {
+            record.outcome = if matches!(e, WaitError::ShuttingDown) {
+                "abandoned"
+            } else {
+                "error"
             }
-            _ = session_ended.cancelled() => false,
-            _ = tokio::time::sleep(LOCK_PING) => true,
-        };
-        let alive = alive && {
-            tokio::select! {
-                _ = done.cancelled() => {
-                    lock.release().await;
-                    return;
-                }
-                held = lock.is_held() => held,
-            }
-        };
-        if alive {
-            continue;
+            .into();
+            record.error = Some(e.to_string());
+            return false;
         }
-        drop(lock);
-        let retaken = tokio::select! {
-            _ = done.cancelled() => return,
-            retaken = retake(&direct, &instance) => retaken,
-        };
-        match retaken {
-            Some(again) => {
-                tracing::warn!(
-                    pid = again.pid(),
-                    "the pipeline lock's session ended; took the lock again on a new session"
-                );
-                holder.send_replace(Some(again.pid()));
-                lock = again;
-            }
-            None => {
-                tracing::warn!("the pipeline lock's session ended and the lock could not be taken again; stopping the run");
-                holder.send_replace(None);
-                stop.cancel();
-                return;
-            }
-        }
+    };
+    record.outcome = report.outcome.as_str().into();
+    record.failed = report.failed;
+    record.unfinished = report.unfinished;
+    record.waited_ms = Some(report.waited_ms as i64);
+    // Reading order: hottest first, as selected.
+    record.completed = targets
+        .iter()
+        .copied()
+        .filter(|id| report.completed.contains(id))
+        .collect();
+    if report.outcome == WaitOutcome::Skip {
+        return false;
     }
-}
-
-/// Takes the pipeline lock on a new session; `None` when another session
-/// holds it or the database stays unreachable.
-async fn retake(direct: &crate::db::Endpoint, instance: &str) -> Option<AdvisoryLock> {
-    for attempt in 1..=RETAKE_ATTEMPTS {
-        match AdvisoryLock::acquire_within(direct, advisory::PIPELINE, instance, RETAKE_WAIT).await
-        {
-            Ok(taken) => return taken,
-            Err(e) => {
-                tracing::debug!(attempt, error = %e, "cannot take the pipeline lock again yet");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
+    if record.completed.is_empty() {
+        // Possible when the minimum is set to 0: the run passes with
+        // nothing to put in a briefing.
+        record.error = Some("no article completed: no briefing".into());
+        return false;
     }
-    None
-}
-
-/// The tick to wait for: the one already armed while the schedule is
-/// unchanged, even if it has just passed (a change announced shortly before
-/// it, a listener reconnect say, and a slow re-read of the settings must
-/// not lose it: it runs at once, and the one-run-per-tick record keeps it to
-/// one run) and at most [`ARMED_TICK_GRACE`] ago; otherwise the schedule's
-/// first tick after `now`.
-fn tick_to_arm(
-    armed: Option<&(String, OffsetDateTime)>,
-    schedule_text: &str,
-    schedule: &Schedule,
-    zone: chrono_tz::Tz,
-    now: OffsetDateTime,
-) -> Option<OffsetDateTime> {
-    match armed {
-        Some((armed_text, tick))
-            if armed_text == schedule_text && now - *tick < ARMED_TICK_GRACE =>
-        {
-            Some(*tick)
-        }
-        _ => schedule.next_tick(now, zone),
-    }
-}
-
-/// How late an armed tick may still run (after a long database outage, the
-/// next tick is the one that counts).
-const ARMED_TICK_GRACE: time::Duration = time::Duration::minutes(1);
-
-/// How soon the scheduler reads its settings again after a failed read.
-const SETTINGS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// How soon a tick with no recorded run is tried again (within
-/// [`ARMED_TICK_GRACE`]).
-const TICK_RETRY: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// Runs the pipeline at every tick of the `schedule` setting.
-pub struct PipelineScheduler {
-    pub pipeline: Pipeline,
-}
-
-impl PipelineScheduler {
-    /// Whether `tick` has a recorded run; a failed read counts as no.
-    async fn tick_recorded(&self, tick: OffsetDateTime) -> bool {
-        let recorded = async {
-            let client = self.pipeline.pool.get().await?;
-            pipeline_run::tick_has_run(&client, tick).await
-        };
-        recorded.await.unwrap_or(false)
-    }
-
-    pub async fn run(self, shutdown: CancellationToken) {
-        let mut changes = self.pipeline.hub.settings_changed();
-        // The tick waited for, with the schedule it came from, until it runs.
-        let mut armed: Option<(String, OffsetDateTime)> = None;
-        loop {
-            changes.borrow_and_update();
-            let settings = match self.pipeline.settings.get().await {
-                Ok(settings) => settings,
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?SETTINGS_RETRY, "cannot read the schedule; will try again");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(SETTINGS_RETRY) => continue,
-                    }
-                }
-            };
-            // The armed tick belongs to the schedule on its clock: a new
-            // time zone moves it as a new schedule does.
-            let schedule_text = format!("{} ({})", settings.schedule, settings.timezone);
-            let next = match (settings.schedule.parse::<Schedule>(), settings.time_zone()) {
-                (Ok(schedule), Ok(zone)) => tick_to_arm(
-                    armed.as_ref(),
-                    &schedule_text,
-                    &schedule,
-                    zone,
-                    OffsetDateTime::now_utc(),
-                ),
-                (Err(e), _) => {
-                    tracing::error!(error = %e, "the schedule setting is invalid; scheduler idle until it changes");
-                    None
-                }
-                (_, Err(e)) => {
-                    tracing::error!(error = %e, "scheduler idle until the timezone setting changes");
-                    None
-                }
-            };
-            armed = next.map(|tick| (schedule_text.clone(), tick));
-            let Some(tick) = next else {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    Ok(()) = changes.changed() => continue,
-                }
-            };
-            let wait = (tick - OffsetDateTime::now_utc()).max(time::Duration::ZERO);
-            let sleep = tokio::time::sleep(std::time::Duration::try_from(wait).unwrap_or_default());
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                // A new schedule may move the next tick.
-                Ok(()) = changes.changed() => continue,
-                _ = sleep => {}
-            }
-            armed = None;
-            let unrecorded = match self
-                .pipeline
-                .run_locked(Trigger::Schedule(tick), &shutdown)
-                .await
-            {
-                Ok(Some(summary)) => {
-                    tracing::info!(run_id = summary.run_id, outcome = %summary.outcome, "scheduled run done");
-                    false
-                }
-                Ok(None) => false,
-                Err(PipelineError::Busy) => {
-                    // Another instance runs this tick, or a run (an earlier
-                    // tick's, or a manual one) is still in progress.
-                    tracing::info!(%tick, "the pipeline lock is held elsewhere; not running this tick here");
-                    !self.tick_recorded(tick).await
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "scheduled run failed");
-                    !self.tick_recorded(tick).await
-                }
-            };
-            // No run of this tick is recorded: the instance that held the
-            // lock may have failed before recording one (a pool timeout,
-            // a database blip), or this one did. The tick stays armed and
-            // is tried again while it is fresh; whoever records its run
-            // first runs it, the others then find it recorded.
-            if unrecorded {
-                armed = Some((schedule_text, tick));
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    Ok(()) = changes.changed() => {}
-                    _ = tokio::time::sleep(TICK_RETRY) => {}
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use time::macros::datetime;
-
-    #[test]
-    fn a_tick_armed_before_a_slow_settings_read_is_not_lost() {
-        let text = "0 6 * * *";
-        let utc = chrono_tz::UTC;
-        let schedule: Schedule = text.parse().unwrap();
-        let tick = datetime!(2026-11-30 06:00:00 UTC);
-        let armed = (text.to_string(), tick);
-        // A change was announced at 05:59:59.8; the re-read ends at 06:00:00.1.
-        let after = datetime!(2026-11-30 06:00:00.1 UTC);
-        assert_eq!(
-            tick_to_arm(Some(&armed), text, &schedule, utc, after),
-            Some(tick)
-        );
-        // A new schedule counts from now.
-        let hourly: Schedule = "0 * * * *".parse().unwrap();
-        assert_eq!(
-            tick_to_arm(Some(&armed), "0 * * * *", &hourly, utc, after),
-            Some(datetime!(2026-11-30 07:00:00 UTC))
-        );
-        // Armed long ago (a day-long outage of the settings reads): the
-        // next tick counts, not a run many hours late.
-        let next_day = datetime!(2026-12-01 05:00:00 UTC);
-        assert_eq!(
-            tick_to_arm(Some(&armed), text, &schedule, utc, next_day),
-            Some(datetime!(2026-12-01 06:00:00 UTC))
-        );
-        // Nothing armed: the next tick after now.
-        assert_eq!(
-            tick_to_arm(None, text, &schedule, utc, after),
-            Some(datetime!(2026-12-01 06:00:00 UTC))
-        );
-    }
+    true
 }

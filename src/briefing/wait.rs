@@ -42,7 +42,7 @@ use statig::prelude::*;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, DbError, DbPool};
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::events::stream::{StreamError, TransitionStream};
 use crate::model::status::Status;
 
@@ -210,7 +210,7 @@ pub struct ArmedWait {
 impl ArmedWait {
     /// Subscribes, then reads the targets and the log position together,
     /// giving up at the timeout ([`DbError::TimedOut`]).
-    pub async fn arm(hub: &TransitionHub, request: WaitRequest) -> Result<ArmedWait, WaitError> {
+    pub async fn arm(hub: &EventHub, request: WaitRequest) -> Result<ArmedWait, WaitError> {
         let started = Instant::now();
         let live = hub.subscribe();
         let limit = request.timeout.max(LAST_LOOK_LIMIT);
@@ -361,7 +361,7 @@ impl ArmedWait {
 /// Waits for `request` (see the module docs). `cancel` ends it at once,
 /// also while its first read waits (behind a lock on the table, say).
 pub async fn smart_wait(
-    hub: &TransitionHub,
+    hub: &EventHub,
     request: WaitRequest,
     cancel: &CancellationToken,
 ) -> Result<WaitReport, WaitError> {
@@ -373,7 +373,7 @@ pub async fn smart_wait(
 /// the deadline's rule instead of being abandoned: a scheduled run stopped
 /// by a shutdown still publishes what was done, if that is enough.
 pub async fn smart_wait_deciding_early(
-    hub: &TransitionHub,
+    hub: &EventHub,
     request: WaitRequest,
     decide_now: Option<&CancellationToken>,
     cancel: &CancellationToken,

@@ -35,7 +35,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::model::status::Status;
 
 /// Ids remembered at most (a few MB even when scattered).
@@ -110,7 +110,7 @@ impl DoneIssues {
     }
 
     /// Follows the hub's live transitions and removal notices until `stop`.
-    pub fn follow(hub: &TransitionHub, stop: CancellationToken) -> DoneIssues {
+    pub fn follow(hub: &EventHub, stop: CancellationToken) -> DoneIssues {
         let done = DoneIssues::new(hub.issues_removed());
         let mut transitions = hub.subscribe();
         let set = done.clone();

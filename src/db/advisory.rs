@@ -1,8 +1,19 @@
-//! Advisory lock keys, in one place, so `newsnack locks` can name what it
-//! sees in `pg_locks` and no two concerns share a key by accident.
+//! Advisory locks: their keys, the guard that holds one, and what the
+//! server says about who holds them.
+//!
+//! The keys live in one place, so `newsnack locks` can name what it sees in
+//! `pg_locks` and no two concerns share a key by accident. [`AdvisoryLock`]
+//! holds a session-level lock on a connection of its own: it can ping that
+//! session, notice its end, take the lock again on a new one, and release
+//! it; while it lives, the metrics count the lock as held. The lease reaper
+//! and the pipeline run each keep theirs with it, by their own rules
+//! (`generation::reaper`, `briefing::lock`).
+
+use std::time::Duration;
 
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient as _;
+use tokio_util::sync::CancellationToken;
 
 /// Serialises `issue_transition.seq` allocation with commit order; taken by
 /// the transition trigger (`sql/0002_transitions.sql`), held to commit.
@@ -11,7 +22,7 @@ pub const TRANSITION_LOG: i64 = 7_236_284_560_371_893_001;
 pub const MIGRATIONS: i64 = 7_236_284_560_371_893_002;
 /// Held by the one instance running the lease reaper.
 pub const LEASE_REAPER: i64 = 7_236_284_560_371_893_003;
-/// Held by the one instance running a pipeline tick.
+/// Held by the one pipeline run in progress, for its whole length.
 pub const PIPELINE: i64 = 7_236_284_560_371_893_004;
 /// Held by the one instance that prunes by the retention settings.
 pub const PRUNE: i64 = 7_236_284_560_371_893_023;
@@ -29,28 +40,36 @@ pub fn name_of(key: i64) -> &'static str {
 }
 
 /// How long taking a lock waits for an orphaned session of this process
-/// (see [`own_orphan`]) to end once told to.
-const ORPHAN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// (see [`end_own_orphan`]) to end once told to.
+const ORPHAN_WAIT: Duration = Duration::from_secs(2);
 
 /// How long a lock session may take to answer a ping.
-const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an explicit unlock may take before the session is just closed.
-const RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long taking a lock again waits for its holder: the ended session
+/// may still be letting go of it. Held longer than this, it is another's.
+const RETAKE_WAIT: Duration = Duration::from_secs(2);
+/// How many times, a second apart, a lost lock is taken again while the
+/// database cannot be reached (e.g. during a failover).
+const RETAKE_ATTEMPTS: u32 = 5;
 
 /// A session-level advisory lock held on a connection of its own, never a
 /// pooled one: the lock lives exactly as long as this value. Dropping it
 /// (on any exit path, a panic or a cancelled task included) closes the
 /// connection, and PostgreSQL releases the lock with the session; if the
 /// process dies, the server notices the closed socket and does the same.
+/// While it lives, the `newsnack_advisory_lock_held` gauge counts it.
 pub struct AdvisoryLock {
-    client: tokio_postgres::Client,
+    session: LockSession,
     key: i64,
-    /// The holding session's backend pid.
-    pid: i32,
-    /// Cancelled when the session, and so the lock, is gone.
-    session_ended: tokio_util::sync::CancellationToken,
-    /// Keeps the session off [`end_own_orphan`]'s list while this lives.
-    _live: LiveSession,
+    /// Where, and as whom, the lock is taken again ([`AdvisoryLock::retake`]).
+    endpoint: super::Endpoint,
+    holder: String,
+    /// Shows the lock as held in the metrics; kept across a retake, so a
+    /// lock taken again on a new session does not flicker to 0.
+    _shown: crate::metrics::GaugeGuard,
 }
 
 impl AdvisoryLock {
@@ -70,7 +89,7 @@ impl AdvisoryLock {
         endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
-        wait: std::time::Duration,
+        wait: Duration,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
         Self::acquire(endpoint, key, holder, Some(wait)).await
     }
@@ -79,10 +98,140 @@ impl AdvisoryLock {
         endpoint: &super::Endpoint,
         key: i64,
         holder: &str,
-        wait: Option<std::time::Duration>,
+        wait: Option<Duration>,
     ) -> Result<Option<AdvisoryLock>, super::DbError> {
+        let Some(session) = LockSession::open_and_take(endpoint, key, holder, wait).await? else {
+            return Ok(None);
+        };
+        Ok(Some(AdvisoryLock {
+            session,
+            key,
+            endpoint: endpoint.clone(),
+            holder: holder.to_owned(),
+            _shown: crate::metrics::advisory_lock_held(name_of(key)),
+        }))
+    }
+
+    pub fn key(&self) -> i64 {
+        self.key
+    }
+
+    /// The holding session's backend pid (see [`held_by`]).
+    pub fn pid(&self) -> i32 {
+        self.session.pid
+    }
+
+    /// True while the holding session is alive (and so still holds the lock).
+    /// A session that does not answer within [`PING_TIMEOUT`] counts as
+    /// gone (a silently broken network would otherwise hold this for the
+    /// kernel's retransmission timeout, many minutes).
+    pub async fn is_held(&self) -> bool {
+        let client = &self.session.client;
+        !client.is_closed()
+            && matches!(
+                tokio::time::timeout(PING_TIMEOUT, client.simple_query("SELECT 1")).await,
+                Ok(Ok(_))
+            )
+    }
+
+    /// Returns once the holding session has ended or fails a ping, sent
+    /// every `every`. A server-side termination is seen at once; the pings
+    /// find what the connection alone would report only after the TCP
+    /// keepalive gives up: an idle-session timeout, a dead network.
+    pub async fn session_ends(&self, every: Duration) {
+        let pings = async {
+            loop {
+                tokio::time::sleep(every).await;
+                if !self.is_held().await {
+                    return;
+                }
+            }
+        };
+        tokio::select! {
+            _ = self.session.ended.cancelled() => {}
+            _ = pings => {}
+        }
+    }
+
+    /// After its session ended (an idle timeout, `pg_terminate_backend`, a
+    /// failover), takes the lock again on a new session, so the work it
+    /// guards need not stop. `None` when the lock is lost for good: another
+    /// session took it, or the database stayed unreachable.
+    pub async fn retake(self) -> Option<AdvisoryLock> {
+        let AdvisoryLock {
+            session,
+            key,
+            endpoint,
+            holder,
+            _shown,
+        } = self;
+        // Closed first: the old session must not hold the lock against the
+        // new one (and, once closed, it counts as an orphan if it still does).
+        drop(session);
+        for attempt in 1..=RETAKE_ATTEMPTS {
+            match LockSession::open_and_take(&endpoint, key, &holder, Some(RETAKE_WAIT)).await {
+                Ok(taken) => {
+                    return taken.map(|session| AdvisoryLock {
+                        session,
+                        key,
+                        endpoint,
+                        holder,
+                        _shown,
+                    })
+                }
+                Err(e) => {
+                    tracing::debug!(attempt, lock = name_of(key), error = %e, "cannot take the lock again yet");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+        None
+    }
+
+    /// The holding session, for work that must happen under the lock.
+    pub fn client(&self) -> &tokio_postgres::Client {
+        &self.session.client
+    }
+
+    /// Releases the lock explicitly and closes the session. Bounded: on a
+    /// session that stopped answering, closing it is what releases the lock.
+    pub async fn release(self) {
+        if self.session.ended.is_cancelled() {
+            return;
+        }
+        let unlock = async {
+            let _ = self
+                .session
+                .client
+                .execute_typed("SELECT pg_advisory_unlock($1)", &[(&self.key, Type::INT8)])
+                .await;
+        };
+        let _ = tokio::time::timeout(RELEASE_TIMEOUT, unlock).await;
+    }
+}
+
+/// A connection of its own that holds one lock.
+struct LockSession {
+    client: tokio_postgres::Client,
+    /// Its backend pid.
+    pid: i32,
+    /// Cancelled when the session, and so the lock, is gone.
+    ended: CancellationToken,
+    /// Keeps the session off [`end_own_orphan`]'s list while this lives.
+    _live: LiveSession,
+}
+
+impl LockSession {
+    /// Opens a session and takes `key` on it (see [`take`]); `Ok(None)`,
+    /// the session closed again, when it is held elsewhere.
+    async fn open_and_take(
+        endpoint: &super::Endpoint,
+        key: i64,
+        holder: &str,
+        wait: Option<Duration>,
+    ) -> Result<Option<LockSession>, super::DbError> {
         let endpoint = endpoint.with_application_name(&session_name(key, holder));
-        let (client, session_ended) = endpoint.connect_watched().await?;
+        let (client, ended) = endpoint.connect_watched().await?;
         // Registered before it may hold the lock, so that no other task of
         // this process takes it for an orphan meanwhile.
         let pid: i32 = client
@@ -105,61 +254,12 @@ impl AdvisoryLock {
                 Err(e) => tracing::warn!(error = %e, "cannot look for an orphaned lock session"),
             }
         }
-        Ok(taken.then_some(AdvisoryLock {
+        Ok(taken.then_some(LockSession {
             client,
-            key,
             pid,
-            session_ended,
+            ended,
             _live: live,
         }))
-    }
-
-    pub fn key(&self) -> i64 {
-        self.key
-    }
-
-    /// The holding session's backend pid (see [`held_by`]).
-    pub fn pid(&self) -> i32 {
-        self.pid
-    }
-
-    /// A token cancelled the moment the holding session ends: from then on
-    /// another session can take the lock. A server-side termination is seen
-    /// at once, a silently broken network within the TCP keepalive timeout.
-    pub fn lost(&self) -> tokio_util::sync::CancellationToken {
-        self.session_ended.clone()
-    }
-
-    /// True while the holding session is alive (and so still holds the lock).
-    /// A session that does not answer within [`PING_TIMEOUT`] counts as
-    /// gone (a silently broken network would otherwise hold this for the
-    /// kernel's retransmission timeout, many minutes).
-    pub async fn is_held(&self) -> bool {
-        !self.client.is_closed()
-            && matches!(
-                tokio::time::timeout(PING_TIMEOUT, self.client.simple_query("SELECT 1")).await,
-                Ok(Ok(_))
-            )
-    }
-
-    /// The holding session, for work that must happen under the lock.
-    pub fn client(&self) -> &tokio_postgres::Client {
-        &self.client
-    }
-
-    /// Releases the lock explicitly and closes the session. Bounded: on a
-    /// session that stopped answering, closing it is what releases the lock.
-    pub async fn release(self) {
-        if self.session_ended.is_cancelled() {
-            return;
-        }
-        let unlock = async {
-            let _ = self
-                .client
-                .execute_typed("SELECT pg_advisory_unlock($1)", &[(&self.key, Type::INT8)])
-                .await;
-        };
-        let _ = tokio::time::timeout(RELEASE_TIMEOUT, unlock).await;
     }
 }
 
@@ -167,7 +267,7 @@ impl AdvisoryLock {
 async fn take(
     client: &tokio_postgres::Client,
     key: i64,
-    wait: Option<std::time::Duration>,
+    wait: Option<Duration>,
 ) -> Result<bool, super::DbError> {
     let Some(wait) = wait else {
         let row = client
@@ -203,7 +303,7 @@ fn process_mark() -> &'static str {
 }
 
 /// A lock session of this process that is not an orphan: registered from
-/// before it asks for its lock until its [`AdvisoryLock`] is dropped.
+/// before it asks for its lock until its [`LockSession`] is dropped.
 /// Counted per backend pid, since the server may hand a pid to a new
 /// session while an object of an ended one still lives.
 struct LiveSession(i32);

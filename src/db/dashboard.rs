@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use time::OffsetDateTime;
 use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
 
 use super::briefing::{self, Briefing};
 use super::llm_budget::{self, BudgetView};
@@ -104,32 +105,54 @@ pub async fn snapshot(
         .read_only(true)
         .start()
         .await?;
+    // The first statement fixes the snapshot, so it reads the log position
+    // that everything after it reflects.
+    let (last_seq, now) = log_position_and_clock(&tx).await?;
+    let counts = super::issue::count_by_status(&tx)
+        .await?
+        .into_iter()
+        .collect();
+    let in_flight = in_flight(&tx, limits.in_flight).await?;
+    let transitions = recent_transitions(&tx, limits.transitions).await?;
+    let runs = pipeline_run::recent(&tx, limits.runs).await?;
+    let briefing = briefing::get(&tx, None).await?;
+    let llm = llm_budget::view(&tx, today_began).await?;
+    tx.commit().await?;
 
-    // The first statement fixes the snapshot; the log position and the
-    // clock come with it.
-    let head = tx
+    Ok(Snapshot {
+        counts,
+        in_flight,
+        transitions,
+        runs,
+        briefing,
+        llm,
+        last_seq,
+        now,
+    })
+}
+
+/// The newest `seq` in the log (0 when it is empty) and the server's clock.
+async fn log_position_and_clock(client: &impl Sql) -> Result<(i64, OffsetDateTime), DbError> {
+    let row = client
         .sql()
         .query_typed_one(
             "SELECT (SELECT COALESCE(max(seq), 0) FROM issue_transition), now()",
             &[],
         )
         .await?;
-    let last_seq: i64 = head.get(0);
-    let now: OffsetDateTime = head.get(1);
+    Ok((row.get(0), row.get(1)))
+}
 
-    let counts = super::issue::count_by_status(&tx)
-        .await?
-        .into_iter()
-        .collect();
-
-    let in_flight = tx
+/// The claims in flight, soonest lease deadline first.
+async fn in_flight(client: &impl Sql, limit: i64) -> Result<Vec<InFlight>, DbError> {
+    client
         .sql()
         .query_typed(
             "SELECT id, title, claimed_by, lease_until, attempts, updated_at
                FROM issue WHERE processing_status = 'IN_PROGRESS' AND lease_until IS NOT NULL
               ORDER BY lease_until, id
               LIMIT $1",
-            &[(&limits.in_flight, Type::INT8)],
+            &[(&limit, Type::INT8)],
         )
         .await?
         .iter()
@@ -144,9 +167,16 @@ pub async fn snapshot(
                 since: super::time_column(r, 5, "issue", id)?,
             })
         })
-        .collect::<Result<_, DbError>>()?;
+        .collect()
+}
 
-    let transitions = tx
+/// The newest rows of the transition log, newest first, with their issues'
+/// titles (none for an issue since deleted).
+async fn recent_transitions(
+    client: &impl Sql,
+    limit: i64,
+) -> Result<Vec<RecentTransition>, DbError> {
+    client
         .sql()
         .query_typed(
             "SELECT t.seq, t.issue_id, i.title, t.from_status, t.to_status, t.at, t.attempts,
@@ -154,7 +184,7 @@ pub async fn snapshot(
                FROM issue_transition t LEFT JOIN issue i ON i.id = t.issue_id
               ORDER BY t.seq DESC
               LIMIT $1",
-            &[(&limits.transitions, Type::INT8)],
+            &[(&limit, Type::INT8)],
         )
         .await?
         .into_iter()
@@ -175,21 +205,5 @@ pub async fn snapshot(
                 reason: r.get(8),
             })
         })
-        .collect::<Result<_, DbError>>()?;
-
-    let runs = pipeline_run::recent(&tx, limits.runs).await?;
-    let briefing = briefing::get(&tx, None).await?;
-    let llm = llm_budget::view(&tx, today_began).await?;
-    tx.commit().await?;
-
-    Ok(Snapshot {
-        counts,
-        in_flight,
-        transitions,
-        runs,
-        briefing,
-        llm,
-        last_seq,
-        now,
-    })
+        .collect()
 }

@@ -70,7 +70,7 @@ pub enum Statements {
     /// Named, and kept by each session for its life: parsed once, its
     /// plans cached by the server. Only where every session is the
     /// service's own (no `NEWSNACK_DIRECT_DATABASE_URL`, so no transaction
-    /// pooler in front). docs/performance.md measures what it saves.
+    /// pooler in front).
     Named,
 }
 

@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use crate::db::issue::ClaimedIssue;
 use crate::db::llm_budget::{self, CallToQueue, Exchange, ExchangeAnswer, PauseInForce};
 use crate::db::{DbError, DbPool};
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::model::llm::Priority;
 use crate::settings::SettingsCache;
 
@@ -111,7 +111,7 @@ impl LlmBudget {
     /// names the process; a random suffix tells it from a restarted one.
     pub fn start(
         pool: DbPool,
-        hub: &TransitionHub,
+        hub: &EventHub,
         settings: Arc<SettingsCache>,
         instance: &str,
     ) -> (LlmBudget, BudgetAgent) {

@@ -8,7 +8,8 @@
 //! instance holding the lock can reap however loaded its pool is; the
 //! retry scheduler then retries them. If the holder dies, its session
 //! ends, the lock is free, and another instance takes over at its next
-//! tick.
+//! tick. The lock itself (its session, pings, release, the metrics gauge)
+//! is [`AdvisoryLock`]'s; this file decides only when to take it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,8 +30,7 @@ pub struct LeaseReaper {
 
 impl LeaseReaper {
     pub async fn run(self, shutdown: CancellationToken) {
-        // The lock, and the guard that shows it as held in the metrics.
-        let mut lock: Option<(AdvisoryLock, crate::metrics::GaugeGuard)> = None;
+        let mut lock: Option<AdvisoryLock> = None;
         loop {
             let tick = self.tick_interval().await;
             tokio::select! {
@@ -38,34 +38,8 @@ impl LeaseReaper {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(tick) => {}
             }
-            if let Some((held, _)) = &lock {
-                if !held.is_held().await {
-                    tracing::warn!("lost the reaper lock's session");
-                    lock = None;
-                }
-            }
-            if lock.is_none() {
-                match AdvisoryLock::try_acquire(
-                    &self.endpoint,
-                    advisory::LEASE_REAPER,
-                    &self.instance,
-                )
-                .await
-                {
-                    Ok(Some(taken)) => {
-                        tracing::info!("this instance is now the lease reaper");
-                        let shown =
-                            crate::metrics::advisory_lock_held(advisory::name_of(taken.key()));
-                        lock = Some((taken, shown));
-                    }
-                    Ok(None) => continue,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot try the reaper lock");
-                        continue;
-                    }
-                }
-            }
-            let Some((held, _)) = &lock else { continue };
+            lock = self.keep_or_take(lock).await;
+            let Some(held) = &lock else { continue };
             match reap(held).await {
                 Ok(ids) if !ids.is_empty() => tracing::warn!(?ids, "reaped expired leases"),
                 Ok(_) => {}
@@ -74,15 +48,41 @@ impl LeaseReaper {
                 // it on a new session, which reaches the new primary.
                 Err(e) if e.ends_session() => {
                     tracing::warn!(error = %e, "the reaper's session cannot reap; letting it go");
-                    if let Some((held, _shown)) = lock.take() {
+                    if let Some(held) = lock.take() {
                         held.release().await;
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "reaping failed"),
             }
         }
-        if let Some((lock, _shown)) = lock {
+        if let Some(lock) = lock {
             lock.release().await;
+        }
+    }
+
+    /// The reaper lock for this tick: the one held, if its session still
+    /// answers, else a fresh try. A lost lock is not waited for or retried
+    /// as a pipeline run's is: any instance may reap, so whichever takes
+    /// the lock at its next tick does.
+    async fn keep_or_take(&self, held: Option<AdvisoryLock>) -> Option<AdvisoryLock> {
+        if let Some(held) = held {
+            if held.is_held().await {
+                return Some(held);
+            }
+            tracing::warn!("lost the reaper lock's session");
+        }
+        match AdvisoryLock::try_acquire(&self.endpoint, advisory::LEASE_REAPER, &self.instance)
+            .await
+        {
+            Ok(Some(taken)) => {
+                tracing::info!("this instance is now the lease reaper");
+                Some(taken)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot try the reaper lock");
+                None
+            }
         }
     }
 

@@ -26,7 +26,7 @@ use tokio_util::time::{delay_queue, DelayQueue};
 use crate::claims::claim::Claimer;
 use crate::db::issue::{self, ClaimScope};
 use crate::db::{DbError, DbPool};
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::generation::machine::{IssueMachine, Reaction};
 use crate::generation::worker::GeneratorHandle;
 use crate::model::status::Status;
@@ -77,7 +77,7 @@ impl RetryScope {
 
 /// The retry service of one instance.
 pub struct RetryScheduler {
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     pub pool: DbPool,
     pub claimer: Claimer,
     pub generator: GeneratorHandle,

@@ -99,7 +99,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::error::ApiError;
 use super::AppState;
-use crate::events::listener::{ListenerStatus, StartingPoint, TransitionHub};
+use crate::events::hub::{EventHub, ListenerStatus, StartingPoint};
 use crate::events::stream::{StreamItem, TransitionStream};
 use crate::model::transition::Transition;
 
@@ -266,7 +266,7 @@ struct Feed {
     preface: Option<Bytes>,
     stream: TransitionStream,
     /// For when transitions were published.
-    hub: TransitionHub,
+    hub: EventHub,
     cache: Arc<EventCache>,
     /// The listener's state: `last_seq` is the newest published transition.
     head: watch::Receiver<ListenerStatus>,

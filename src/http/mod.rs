@@ -38,7 +38,7 @@ pub use error::ApiError;
 use crate::claims::claim::Claimer;
 use crate::claims::known_done::DoneIssues;
 use crate::db::DbPool;
-use crate::events::listener::TransitionHub;
+use crate::events::hub::EventHub;
 use crate::generation::worker::GeneratorHandle;
 use crate::settings::SettingsCache;
 
@@ -47,8 +47,8 @@ pub const BODY_LIMIT: usize = 1024 * 1024;
 
 /// What every handler may use, behind one `Arc`: axum clones the state for
 /// every request, and cloning [`Services`] itself (two pools, a
-/// cancellation token, the token's text) took 1.3% of a together start's
-/// CPU samples (docs/performance.md).
+/// cancellation token, the token's text) showed in the claim path's CPU
+/// profile.
 #[derive(Clone)]
 pub struct AppState(Arc<Services>);
 
@@ -63,7 +63,7 @@ impl std::ops::Deref for AppState {
 /// The service's parts the handlers use.
 pub struct Services {
     pub pool: DbPool,
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     pub claimer: Claimer,
     /// Issues known to be `DONE`: claims for nothing else skip the database.
     pub done: DoneIssues,

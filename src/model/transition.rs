@@ -47,7 +47,7 @@ const MAC_HEX_DIGITS: usize = 96;
 ///
 /// The MAC is SHA-384 of the key followed by the payload: one digest where
 /// HMAC takes two, and the trigger makes it while every transitioning
-/// commit waits (docs/performance.md). SHA-384 keeps 128 bits of its state
+/// commit waits on the log's lock. SHA-384 keeps 128 bits of its state
 /// out of the digest, so a MAC cannot be extended to a longer payload, the
 /// flaw that rules out SHA-256 used this way.
 #[derive(Clone)]

@@ -196,7 +196,7 @@ pub struct SettingsCache {
 
 impl SettingsCache {
     /// `changes` is bumped on every `setting_changed` notification (see
-    /// [`crate::events::listener::TransitionHub::settings_changed`]).
+    /// [`crate::events::hub::EventHub::settings_changed`]).
     pub fn new(pool: DbPool, changes: watch::Receiver<u64>) -> Self {
         SettingsCache {
             pool,

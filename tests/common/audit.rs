@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use newsnack::db::DbPool;
-use newsnack::events::listener::TransitionHub;
+use newsnack::events::hub::EventHub;
 use serde_json::Value;
 use time::OffsetDateTime;
 
@@ -177,7 +177,7 @@ pub struct Audit {
     pub pool: DbPool,
     /// Any listener on the database: the audit re-checks whether the system
     /// has settled whenever a transition is announced.
-    pub hub: TransitionHub,
+    pub hub: EventHub,
     /// How long the system gets to settle before the audit checks anyway.
     pub settle_secs: u64,
 }

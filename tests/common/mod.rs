@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use newsnack::db::{self, DbPool, PoolOptions};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::events::listener::{Listener, ListenerOptions, TransitionHub};
+use newsnack::events::hub::EventHub;
+use newsnack::events::listener::{Listener, ListenerOptions};
 use newsnack::serve::{RunningService, ServeOptions};
 use newsnack::writer::SharedWriter;
 use tokio_postgres::{Client, NoTls};
@@ -235,14 +236,11 @@ impl TestDb {
     }
 
     /// Starts a listener; cancel the token to stop it.
-    pub async fn listener(&self) -> (TransitionHub, CancellationToken) {
+    pub async fn listener(&self) -> (EventHub, CancellationToken) {
         self.listener_with(ListenerOptions::default()).await
     }
 
-    pub async fn listener_with(
-        &self,
-        options: ListenerOptions,
-    ) -> (TransitionHub, CancellationToken) {
+    pub async fn listener_with(&self, options: ListenerOptions) -> (EventHub, CancellationToken) {
         let token = CancellationToken::new();
         let (hub, _task) = Listener::start(
             self.endpoint.clone(),
@@ -419,7 +417,7 @@ impl TestDb {
 
 /// Waits until `check` (a query returning one boolean) is true, re-checking
 /// whenever a transition is announced. Fails after `secs` seconds.
-pub async fn until_sql(db: &TestDb, hub: &TransitionHub, secs: u64, sql: &str) {
+pub async fn until_sql(db: &TestDb, hub: &EventHub, secs: u64, sql: &str) {
     let mut live = hub.subscribe();
     within(secs, sql, async {
         loop {
@@ -455,7 +453,7 @@ pub async fn until_sql_polled(db: &TestDb, secs: u64, sql: &str) {
 }
 
 /// Waits until issue `id` is in `status` (see [`until_sql`]).
-pub async fn until_status(db: &TestDb, hub: &TransitionHub, secs: u64, id: i64, status: &str) {
+pub async fn until_status(db: &TestDb, hub: &EventHub, secs: u64, id: i64, status: &str) {
     until_sql(
         db,
         hub,
@@ -473,7 +471,7 @@ pub async fn within<T>(secs: u64, what: &str, fut: impl std::future::Future<Outp
 }
 
 /// Waits until the listener has published `seq`.
-pub async fn until_published(hub: &TransitionHub, seq: i64) {
+pub async fn until_published(hub: &EventHub, seq: i64) {
     let mut status = hub.status();
     within(
         60,

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use newsnack::events::listener::TransitionHub;
+use newsnack::events::hub::EventHub;
 use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
@@ -105,7 +105,7 @@ impl Recording {
 
     /// Follows `hub.stream_after(after_seq)`, the crate's gapless stream,
     /// resuming the same stream after a database error.
-    pub fn follow_stream(name: &str, hub: &TransitionHub, after_seq: i64) -> Recording {
+    pub fn follow_stream(name: &str, hub: &EventHub, after_seq: i64) -> Recording {
         let (recording, recorder, stop) = Recording::new(name, after_seq);
         let mut stream = hub.stream_after(after_seq, None);
         tokio::spawn(async move {
