@@ -190,7 +190,10 @@ mod tests {
         assert!(keyed("https://example.com/story/1".into()).is_ok());
         assert!(keyed("가".repeat(MAX_SOURCE_KEY_CHARS)).is_ok());
         let empty = keyed(String::new()).unwrap_err().to_string();
-        assert!(empty.contains("issues[0].source_key must be 1 to 1000"), "{empty}");
+        assert!(
+            empty.contains("issues[0].source_key must be 1 to 1000"),
+            "{empty}"
+        );
         assert!(keyed("k".repeat(MAX_SOURCE_KEY_CHARS + 1)).is_err());
         assert!(keyed("a\0b".into()).is_err());
     }

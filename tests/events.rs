@@ -514,12 +514,8 @@ async fn a_pruned_position_starts_at_the_oldest_kept_with_a_reset_event() {
 
     let mut from_zero = SseClient::open(&http, &format!("{base}?since=0"), None).await;
     let mut from_header = SseClient::open(&http, &base, Some(seqs[2])).await;
-    let mut one_issue = SseClient::open(
-        &http,
-        &format!("{base}?since={}&issue_id=1", seqs[0]),
-        None,
-    )
-    .await;
+    let mut one_issue =
+        SseClient::open(&http, &format!("{base}?since={}&issue_id=1", seqs[0]), None).await;
     for client in [&mut from_zero, &mut from_header, &mut one_issue] {
         let reset = client.expect(10, "the reset notice").await;
         assert_eq!(reset.event, "reset", "{reset:?}");

@@ -55,7 +55,10 @@ async fn a_known_key_answers_the_existing_issue_and_adds_nothing() {
     assert_eq!(status, StatusCode::CREATED, "{first}");
     let added = ids(&first, "ids");
     assert_eq!(added.len(), 4);
-    assert_eq!(added[0], added[2], "a key repeated in one request counts once");
+    assert_eq!(
+        added[0], added[2],
+        "a key repeated in one request counts once"
+    );
     assert!(added[0] < added[1] && added[1] < added[3], "{added:?}");
     assert_eq!(ids(&first, "existing"), Vec::<i64>::new());
 
@@ -131,7 +134,10 @@ async fn keys_out_of_bounds_are_refused_and_nothing_is_added() {
     let url = format!("http://{}/issues", service.addr);
     let http = reqwest::Client::new();
     for (key, says) in [
-        (json!(""), "issues[1].source_key must be 1 to 1000 characters long, got 0"),
+        (
+            json!(""),
+            "issues[1].source_key must be 1 to 1000 characters long, got 0",
+        ),
         (
             json!("k".repeat(1001)),
             "issues[1].source_key must be 1 to 1000 characters long, got 1001",
@@ -242,7 +248,10 @@ async fn issues_add_takes_a_source_key_on_the_command_line_and_in_a_file() {
     let id = ids(&first, "ids")[0];
     assert_eq!(ids(&first, "existing"), Vec::<i64>::new());
     let again = add(&["--title", "Rates rise", "--source-key", "wire:1"]);
-    assert_eq!((ids(&again, "ids"), ids(&again, "existing")), (vec![id], vec![id]));
+    assert_eq!(
+        (ids(&again, "ids"), ids(&again, "existing")),
+        (vec![id], vec![id])
+    );
 
     let file = std::env::temp_dir().join(format!("newsnack-intake-{}.json", db.name));
     std::fs::write(

@@ -211,7 +211,10 @@ async fn prune_keeps_exactly_what_the_settings_say_and_a_dry_run_changes_nothing
     );
     let kept_log = ids(&sql, "SELECT seq FROM issue_transition ORDER BY seq").await;
     assert_eq!(kept_log, seqs[20..].to_vec(), "from the start only");
-    assert!(kept_log.contains(&middle), "the old row in the middle stays");
+    assert!(
+        kept_log.contains(&middle),
+        "the old row in the middle stays"
+    );
     let body: String = sql
         .query_one("SELECT body FROM briefing", &[])
         .await
@@ -219,7 +222,11 @@ async fn prune_keeps_exactly_what_the_settings_say_and_a_dry_run_changes_nothing
         .get(0);
     assert_eq!(body, "the whole briefing text");
     assert_eq!(
-        ids(&sql, "SELECT issue_id FROM issue_priority ORDER BY issue_id").await,
+        ids(
+            &sql,
+            "SELECT issue_id FROM issue_priority ORDER BY issue_id"
+        )
+        .await,
         [retryable, issues[8]]
     );
     assert_eq!(
@@ -281,7 +288,10 @@ async fn forever_is_the_default_for_issues_and_zero_keeps_everything() {
     db.set("log_retention_days", "0").await;
     let (forever, _) = newsnack(&db.url, &["prune"]);
     assert_eq!(forever["issue_transition"], 0);
-    assert_eq!(db.scalar_i64("SELECT count(*) FROM issue_transition").await, 1);
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM issue_transition").await,
+        1
+    );
 }
 
 /// A live subscriber, a stream replaying the log, and a wait, all open
@@ -361,7 +371,12 @@ async fn a_subscriber_a_replay_and_a_wait_open_across_a_prune_miss_and_repeat_no
     // The live subscriber: every new transition, once, in order.
     let mut seen = Vec::new();
     while seen.len() < 300 {
-        seen.push(within(10, "a live transition", live.next()).await.unwrap().seq);
+        seen.push(
+            within(10, "a live transition", live.next())
+                .await
+                .unwrap()
+                .seq,
+        );
     }
     assert_eq!(seen, (start + 1..=end).collect::<Vec<_>>());
     assert!(live.try_next().is_none(), "nothing twice");
@@ -506,12 +521,7 @@ async fn serve_prunes_by_itself_on_one_instance() {
     .unwrap();
     let writer = Arc::new(OfflineWriter) as SharedWriter;
     let first = db.serve("pruner-a", writer.clone()).await;
-    until_sql_polled(
-        &db,
-        30,
-        "SELECT count(*) = 5 FROM issue_transition",
-    )
-    .await;
+    until_sql_polled(&db, 30, "SELECT count(*) = 5 FROM issue_transition").await;
     let second = db.serve("pruner-b", writer).await;
     let holders = || async {
         let rows = sql
@@ -538,7 +548,9 @@ async fn serve_prunes_by_itself_on_one_instance() {
         .unwrap();
     let listed = String::from_utf8_lossy(&locks.stdout);
     assert!(
-        listed.lines().any(|l| l.starts_with("prune ") && l.contains("pruner-a")),
+        listed
+            .lines()
+            .any(|l| l.starts_with("prune ") && l.contains("pruner-a")),
         "{listed}"
     );
     second.stop().await.unwrap();

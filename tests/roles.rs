@@ -545,7 +545,10 @@ async fn a_writer_adds_keyed_issues_once_with_on_conflict() {
         ]
     );
     let empty = w
-        .execute("INSERT INTO issue (title, source_key) VALUES ('x', '')", &[])
+        .execute(
+            "INSERT INTO issue (title, source_key) VALUES ('x', '')",
+            &[],
+        )
         .await
         .unwrap_err();
     assert_eq!(empty.code(), Some(&SqlState::CHECK_VIOLATION), "{empty:?}");

@@ -281,7 +281,10 @@ async fn batches(
     loop {
         let n = client
             .sql()
-            .execute_typed(statement, &[(param, param_type.clone()), (&BATCH, Type::INT8)])
+            .execute_typed(
+                statement,
+                &[(param, param_type.clone()), (&BATCH, Type::INT8)],
+            )
             .await? as i64;
         total += n;
         if n < BATCH {

@@ -41,7 +41,8 @@ impl RoleKind {
 
 /// The columns of `issue` a writer may insert (the rest take their
 /// defaults, the id included).
-pub const WRITER_INSERT_COLUMNS: &[&str] = &["title", "body", "score", "collected_at", "source_key"];
+pub const WRITER_INSERT_COLUMNS: &[&str] =
+    &["title", "body", "score", "collected_at", "source_key"];
 
 /// The columns of `issue` a writer may update.
 pub const WRITER_UPDATE_COLUMNS: &[&str] = &[

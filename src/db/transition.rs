@@ -37,7 +37,9 @@ pub async fn read_after(
     issue_id: Option<i64>,
     limit: i64,
 ) -> Result<Vec<Transition>, DbError> {
-    Ok(read_page(client, after_seq, issue_id, limit).await?.transitions)
+    Ok(read_page(client, after_seq, issue_id, limit)
+        .await?
+        .transitions)
 }
 
 /// What [`read_page`] read.

@@ -39,7 +39,9 @@ pub enum StreamItem {
     Transition(Transition),
     /// The transitions after the stream's position up to `oldest` were
     /// pruned: the stream goes on from `oldest`, the oldest kept.
-    Pruned { oldest: i64 },
+    Pruned {
+        oldest: i64,
+    },
 }
 
 /// See the module docs.
@@ -184,9 +186,8 @@ impl TransitionStream {
             }
             if self.reading_log {
                 let client = self.pool.get().await.map_err(DbError::from)?;
-                let page =
-                    db::transition::read_page(&**client, self.last_seq, self.issue_id, PAGE)
-                        .await?;
+                let page = db::transition::read_page(&**client, self.last_seq, self.issue_id, PAGE)
+                    .await?;
                 self.reading_log = page.transitions.len() as i64 == PAGE;
                 if let Some(oldest) = page.pruned_to {
                     self.last_seq = self.last_seq.max(oldest - 1);
