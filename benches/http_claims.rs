@@ -606,6 +606,7 @@ async fn add_issues(pool: &DbPool, n: usize) -> Vec<i64> {
             ),
             score: i as f64,
             collected_at: None,
+            source_key: None,
         })
         .collect();
     let mut ids = Vec::with_capacity(n);

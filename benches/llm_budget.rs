@@ -146,6 +146,7 @@ async fn add(client: &tokio_postgres::Client, prefix: &str, n: usize) -> Vec<i64
             body: format!("What happened in {prefix} {i}."),
             score: 1.0,
             collected_at: None,
+            source_key: None,
         })
         .collect();
     insert_issues(client, &issues).await.unwrap()

@@ -37,7 +37,11 @@ CREATE TABLE @extschema@.issue (
     -- Set by a failure that asked for patience (e.g. an LLM's Retry-After):
     -- automatic retries do not claim the issue before then; 'infinity'
     -- marks a fatal failure.
-    retry_not_before  timestamptz
+    retry_not_before  timestamptz,
+    -- The collector's key for the story (migration 23): an issue whose key
+    -- is already there is not added again.
+    source_key        text CONSTRAINT issue_source_key_key UNIQUE
+                      CONSTRAINT issue_source_key_length CHECK (char_length(source_key) BETWEEN 1 AND 1000)
 );
 -- Dates the service can read back (years 1 to 9999, UTC). NOT VALID, as
 -- the migrations add them: rows stored before them are not checked.
@@ -1086,7 +1090,13 @@ INSERT INTO @extschema@.setting_spec (key, default_value, min_value, max_value, 
      'the readers'' time zone (an IANA name): the briefing''s date and cron schedules', 'time_zone'),
     ('briefing_title', 'newsnack — {date}', 1, 500,
      'the briefing''s title: a template with {date} or {date:FORMAT} (%Y %m %-m %d %-d %B %b %A %a %%)',
-     'title_template');
+     'title_template'),
+    ('log_retention_days', '30', 0, 36500,
+     'retention: days transitions, pipeline runs and the LLM budget''s bookkeeping are kept (0: forever)',
+     'integer'),
+    ('issue_retention_days', '0', 0, 36500,
+     'retention: days DONE issues (with their articles) and FAILED issues with no automatic retry are kept after their last update (0: forever)',
+     'integer');
 INSERT INTO @extschema@.setting_spec (key, default_value, min_value, max_value, description, kind, choices) VALUES
     ('llm_fallback_for', 'briefing', 0, 0,
      'LLM: which calls go to the fallback provider while the primary is down: briefing, all or none',

@@ -12,6 +12,8 @@ pub const MAX_NEW_ISSUES: usize = 1000;
 /// as JSON Schema's `maxLength` counts them).
 pub const MAX_TITLE_CHARS: usize = 1_000;
 pub const MAX_BODY_CHARS: usize = 100_000;
+/// Longest accepted `source_key`, in characters (at least one).
+pub const MAX_SOURCE_KEY_CHARS: usize = 1_000;
 /// The years a `collected_at` may name, as written: any offset then keeps
 /// it within the years 1 to 9999 in UTC, which the service can store and
 /// read back.
@@ -55,7 +57,8 @@ pub fn check_ids(field: &'static str, ids: &[i64]) -> Result<(), InvalidInput> {
 /// Checks new issues: 1 to [`MAX_NEW_ISSUES`], each with a title that is
 /// not blank (it has a character other than white space, as
 /// [`char::is_whitespace`] has it), sizes within bounds, no NUL
-/// character, a finite score and a `collected_at` in [`COLLECTED_YEARS`].
+/// character, a finite score, a `collected_at` in [`COLLECTED_YEARS`] and
+/// a `source_key`, if any, of 1 to [`MAX_SOURCE_KEY_CHARS`] characters.
 pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
     if issues.is_empty() {
         return Err(InvalidInput::Empty { field: "issues" });
@@ -97,6 +100,19 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
                 )));
             }
         }
+        if let Some(key) = &issue.source_key {
+            let chars = key.chars().count();
+            if chars == 0 || chars > MAX_SOURCE_KEY_CHARS {
+                return Err(InvalidInput::Bad(format!(
+                    "issues[{i}].source_key must be 1 to {MAX_SOURCE_KEY_CHARS} characters long, got {chars}"
+                )));
+            }
+            if key.contains('\0') {
+                return Err(InvalidInput::Bad(format!(
+                    "issues[{i}].source_key must not contain NUL characters"
+                )));
+            }
+        }
         if issue.title.contains('\0') || issue.body.contains('\0') {
             return Err(InvalidInput::Bad(format!(
                 "issues[{i}] must not contain NUL characters"
@@ -116,6 +132,7 @@ mod tests {
             body: String::new(),
             score,
             collected_at: None,
+            source_key: None,
         }
     }
 
@@ -160,6 +177,25 @@ mod tests {
         // Not white space, though some regular expression engines say so.
         assert!(check_new_issues(&[issue("\u{1c}", 0.0)]).is_ok());
         assert!(check_new_issues(&[issue("\u{200b}", 0.0)]).is_ok());
+    }
+
+    #[test]
+    fn a_source_key_holds_1_to_1000_characters() {
+        let keyed = |key: String| {
+            check_new_issues(&[NewIssue {
+                source_key: Some(key),
+                ..issue("t", 0.0)
+            }])
+        };
+        assert!(keyed("https://example.com/story/1".into()).is_ok());
+        assert!(keyed("가".repeat(MAX_SOURCE_KEY_CHARS)).is_ok());
+        let empty = keyed(String::new()).unwrap_err().to_string();
+        assert!(
+            empty.contains("issues[0].source_key must be 1 to 1000"),
+            "{empty}"
+        );
+        assert!(keyed("k".repeat(MAX_SOURCE_KEY_CHARS + 1)).is_err());
+        assert!(keyed("a\0b".into()).is_err());
     }
 
     #[test]

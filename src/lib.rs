@@ -20,6 +20,7 @@
 //! | [`claims`] | `SKIP LOCKED` claims batched by group commit, releasing claims, known-`DONE` ids |
 //! | [`generation`] | workers, recording outcomes, the shared LLM budget, retries, the lease reaper, the `statig` issue machine |
 //! | [`briefing`] | a pipeline run, its lock, its scheduler, the smart wait, the briefing's assembly |
+//! | [`maintenance`] | upkeep on one instance at a time: the hourly prune by the retention settings |
 //! | [`http`] | the axum API: one router per resource, the JSON types, OpenAPI, SSE, auth, one error type |
 //! | [`serve`] | wiring the long-running service together and stopping it cleanly |
 //! | [`embedded`] | the throwaway PostgreSQL of the zero-configuration default |
@@ -35,6 +36,7 @@ pub mod generation;
 pub mod http;
 pub mod input;
 pub mod logging;
+pub mod maintenance;
 pub mod metrics;
 pub mod model;
 pub mod serve;

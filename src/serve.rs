@@ -1,8 +1,8 @@
 //! `newsnack serve`: the long-running reactive service. Starts (in order)
 //! the database (given, or a throwaway embedded cluster), migrations, the
 //! one listener, the claimer, the generator, the retry scheduler, the lease
-//! reaper, the pipeline scheduler and the HTTP API; stops them all on one
-//! cancellation token. [`Core`] is the part other long-running commands
+//! reaper, the hourly prune, the pipeline scheduler and the HTTP API; stops
+//! them all on one cancellation token. [`Core`] is the part other long-running commands
 //! (`run-pipeline`, `demo`) share.
 
 use std::net::SocketAddr;
@@ -25,6 +25,7 @@ use crate::generation::reaper::LeaseReaper;
 use crate::generation::retry::{RetryScheduler, RetryScope};
 use crate::generation::worker::{Generator, GeneratorHandle};
 use crate::http::{self, Services};
+use crate::maintenance::pruner::Pruner;
 use crate::settings::SettingsCache;
 use crate::writer::SharedWriter;
 
@@ -297,6 +298,14 @@ pub async fn start(
     .await?;
     core.tasks.spawn(
         LeaseReaper {
+            endpoint: core.db.direct.clone(),
+            settings: core.settings.clone(),
+            instance: options.instance.clone(),
+        }
+        .run(shutdown.clone()),
+    );
+    core.tasks.spawn(
+        Pruner {
             endpoint: core.db.direct.clone(),
             settings: core.settings.clone(),
             instance: options.instance.clone(),

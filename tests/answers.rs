@@ -74,6 +74,7 @@ async fn write_all(db: &TestDb, fake: &FakeLlm, titles: &[&str]) -> Vec<i64> {
             body: format!("What happened: {title}."),
             score: 1.0,
             collected_at: None,
+            source_key: None,
         })
         .collect();
     let ids = newsnack::db::issue::insert_issues(&client, &issues)

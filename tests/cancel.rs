@@ -38,6 +38,7 @@ async fn titled(db: &TestDb, prefix: &str, n: usize) -> Vec<i64> {
             body: format!("What happened in {prefix} {i}."),
             score: 1.0,
             collected_at: None,
+            source_key: None,
         })
         .collect();
     newsnack::db::issue::insert_issues(&client, &issues)

@@ -355,6 +355,7 @@ async fn a_headless_browser_sees_a_raw_sql_change_without_a_reload() {
             body: format!("{title}. Reporters are following the story through the day."),
             score: i as f64,
             collected_at: None,
+            source_key: None,
         })
         .collect();
     let client = db.pool.get().await.unwrap();

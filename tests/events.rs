@@ -467,6 +467,71 @@ async fn a_position_beyond_the_log_starts_at_its_end_with_a_reset_event() {
     service.stop().await.unwrap();
 }
 
+/// A position older than the log keeps (its transitions were pruned)
+/// starts with a `reset` event naming the oldest kept `seq`, whose `id:` is
+/// just before it, then every kept transition from there with no gap; the
+/// position just before the oldest kept row is an ordinary one.
+#[tokio::test]
+async fn a_pruned_position_starts_at_the_oldest_kept_with_a_reset_event() {
+    let _shared = EXCLUSIVE.read().await;
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    insert(&sql, 10).await;
+    let seqs = all_seqs(&db).await;
+    sql.execute(
+        "UPDATE issue_transition SET at = now() - interval '100 days' WHERE seq <= $1",
+        &[&seqs[5]],
+    )
+    .await
+    .unwrap();
+    db.set("log_retention_days", "30").await;
+    let pruned = newsnack::db::retention::prune(
+        &db.pool.get().await.unwrap(),
+        &newsnack::db::retention::Retention {
+            log_days: 30,
+            issue_days: 0,
+            max_attempts: 3,
+        },
+        false,
+    )
+    .await
+    .unwrap();
+    assert_eq!(pruned.issue_transition, 6);
+    let oldest = seqs[6];
+    let service = db.serve("events-pruned", offline()).await;
+    until_published(&service.hub, *seqs.last().unwrap()).await;
+    let base = format!("http://{}/events", service.addr);
+    let http = reqwest::Client::new();
+
+    let mut from_zero = SseClient::open(&http, &format!("{base}?since=0"), None).await;
+    let mut from_header = SseClient::open(&http, &base, Some(seqs[2])).await;
+    let mut one_issue =
+        SseClient::open(&http, &format!("{base}?since={}&issue_id=1", seqs[0]), None).await;
+    for client in [&mut from_zero, &mut from_header, &mut one_issue] {
+        let reset = client.expect(10, "the reset notice").await;
+        assert_eq!(reset.event, "reset", "{reset:?}");
+        assert_eq!(reset.json(), serde_json::json!({ "oldest": oldest }));
+        assert_eq!(reset.seq(), oldest - 1, "a reconnect resumes after it");
+    }
+    let mut just_before = SseClient::open(&http, &base, Some(oldest - 1)).await;
+    for client in [&mut from_zero, &mut from_header, &mut just_before] {
+        let mut got = Vec::new();
+        for _ in &seqs[6..] {
+            let event = client.expect(10, "a kept transition").await;
+            assert_eq!(event.event, "transition", "{event:?}");
+            got.push(event.seq());
+        }
+        assert_eq!(got, seqs[6..].to_vec(), "no gap after the oldest kept");
+    }
+    // Live from there on, for all of them.
+    let next = insert(&sql, 1).await;
+    for client in [&mut from_zero, &mut from_header, &mut just_before] {
+        let event = client.expect(10, "the next transition").await;
+        assert_eq!(event.json()["issue_id"], next[0]);
+    }
+    service.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn reconnecting_with_last_event_id_during_a_burst_loses_and_repeats_nothing() {
     let _shared = EXCLUSIVE.read().await;

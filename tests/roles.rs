@@ -494,6 +494,60 @@ async fn a_writer_adds_issues_and_moves_them_enforced_logged_and_announced() {
     );
 }
 
+/// Another system adds stories keyed by where they came from, as a writer:
+/// `ON CONFLICT (source_key) DO NOTHING` adds each key once, logged and
+/// announced once, and the writer may set and change the key.
+#[tokio::test]
+async fn a_writer_adds_keyed_issues_once_with_on_conflict() {
+    let owned = Owned::new().await;
+    let writer = owned.role("writer").await;
+    owned.grant(RoleKind::Writer, &writer).await.unwrap();
+    let mut listening = owned.listen_as(&owned.owner).await;
+    let w = owned.connect_as(&writer).await;
+    let keyed = "INSERT INTO issue (title, body, score, source_key)
+                 VALUES ($1, 'b', 1, 'feed:42') ON CONFLICT (source_key) DO NOTHING RETURNING id";
+    let first: i64 = w.query_one(keyed, &[&"Rates rise"]).await.unwrap().get(0);
+    let note = listening.transition().await;
+    assert_eq!(note["issue_id"].as_i64(), Some(first));
+    let again = w.query(keyed, &[&"Rates rise (again)"]).await.unwrap();
+    assert!(again.is_empty(), "the key is there: nothing added");
+    // Without a key, as before, each insert adds one.
+    let unkeyed = add_issue(&w, "Storm").await;
+    assert_eq!(
+        listening.transition().await["issue_id"].as_i64(),
+        Some(unkeyed),
+        "the refused insert was neither logged nor announced"
+    );
+    w.execute(
+        "UPDATE issue SET source_key = 'feed:43' WHERE id = $1",
+        &[&unkeyed],
+    )
+    .await
+    .unwrap();
+    let keys: Vec<(i64, Option<String>)> = w
+        .query("SELECT id, source_key FROM issue ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            (first, Some("feed:42".to_string())),
+            (unkeyed, Some("feed:43".to_string()))
+        ]
+    );
+    let empty = w
+        .execute(
+            "INSERT INTO issue (title, source_key) VALUES ('x', '')",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(empty.code(), Some(&SqlState::CHECK_VIOLATION), "{empty:?}");
+}
+
 #[tokio::test]
 async fn a_writer_may_do_nothing_else() {
     let owned = Owned::new().await;

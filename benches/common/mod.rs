@@ -55,6 +55,7 @@ pub async fn claim_rate(pool: &DbPool, path: Path, clients: usize, duration: Dur
             body: String::new(),
             score: 0.0,
             collected_at: None,
+            source_key: None,
         })
         .collect();
     let mut ids = Vec::new();

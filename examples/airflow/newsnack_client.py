@@ -6,7 +6,7 @@ the integration can be exercised and tested without Airflow installed.
 
 It covers the calls an orchestrator needs:
 
-* ``add_issues``  -> ``POST /issues``          201 ``{"ids": [..]}``
+* ``add_issues``  -> ``POST /issues``          201/200 ``{"ids": [..], "existing": [..]}``
 * ``claim``       -> ``POST /ai-articles``     202 ``{"claimed": [..], "skipped": [..]}``,
                                                409 with the same fields when nothing
                                                was claimable (not an error here)
@@ -247,8 +247,10 @@ class NewsnackClient:
 
     def add_issues(self, issues: Sequence[dict]) -> list:
         """``POST /issues``: adds issues (``title`` required; ``body``,
-        ``score``, ``collected_at`` optional); returns their ids in order."""
-        _, body = self._call("POST", "/issues", {"issues": list(issues)}, expect=(201,))
+        ``score``, ``collected_at``, ``source_key`` optional); returns their
+        ids in order (for a ``source_key`` already there, the existing
+        issue's: then nothing may have been added, answered 200)."""
+        _, body = self._call("POST", "/issues", {"issues": list(issues)}, expect=(200, 201))
         return list(body["ids"])
 
     def claim(self, issue_ids: Sequence[int], priority: str = "briefing") -> ClaimResult:

@@ -14,6 +14,7 @@ use crate::db::issue::{ClaimScope, NewIssue};
 use crate::db::role::{self, RoleKind};
 use crate::db::{self, DbError, DbPool, PoolOptions};
 use crate::events::listener::{Listener, ListenerOptions};
+use crate::events::stream::StreamItem;
 use crate::input::{self};
 use crate::settings::Settings;
 
@@ -141,9 +142,17 @@ pub(super) async fn tail(database: &db::Database, args: TailArgs) -> Result<Exit
     loop {
         let next = tokio::select! {
             _ = shutdown.cancelled() => return Ok(ExitCode::SUCCESS),
-            next = stream.next_through_outages() => next,
+            next = stream.next_item_through_outages() => next,
         };
-        let t = next.map_err(|e| CliError::Failed(e.to_string()))?;
+        let t = match next.map_err(|e| CliError::Failed(e.to_string()))? {
+            StreamItem::Transition(t) => t,
+            StreamItem::Pruned { oldest } => {
+                crate::logging::eprint_line(format_args!(
+                    "newsnack: transitions before seq {oldest} were pruned (log_retention_days); following from the oldest kept, {oldest}"
+                ));
+                continue;
+            }
+        };
         if args.status.is_some_and(|s| s != t.to) {
             continue;
         }
@@ -208,6 +217,7 @@ pub(super) async fn issues(
             body,
             score,
             collected_at,
+            source_key,
             file,
         } => {
             let new = match (title, file) {
@@ -216,6 +226,7 @@ pub(super) async fn issues(
                     body,
                     score,
                     collected_at,
+                    source_key,
                 }],
                 (None, Some(path)) => read_issue_file(&path)?,
                 _ => return Err(CliError::Failed("give either --title or --file".into())),
@@ -223,8 +234,11 @@ pub(super) async fn issues(
             input::check_new_issues(&new)?;
             let pool = open(database).await?;
             let client = pool.get().await.map_err(DbError::from)?;
-            let ids = db::issue::insert_issues(&client, &new).await?;
-            println!("{}", serde_json::json!({ "ids": ids }));
+            let added = db::issue::add_issues(&client, &new).await?;
+            println!(
+                "{}",
+                serde_json::json!({ "ids": added.ids, "existing": added.existing })
+            );
             Ok(ExitCode::SUCCESS)
         }
         IssuesCommand::Show { id } => {
@@ -466,6 +480,15 @@ pub(super) async fn run_pipeline(database: &db::Database) -> Result<ExitCode, Cl
         }
         Err(crate::briefing::run::PipelineError::Db(e)) => Err(e.into()),
     }
+}
+
+pub(super) async fn prune(database: &db::Database, dry_run: bool) -> Result<ExitCode, CliError> {
+    let pool = open(database).await?;
+    let retention = Settings::load(&pool).await?.retention();
+    let client = pool.get().await.map_err(DbError::from)?;
+    let report = db::retention::prune(&client, &retention, dry_run).await?;
+    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    Ok(ExitCode::SUCCESS)
 }
 
 pub(super) async fn locks(database: &db::Database) -> Result<ExitCode, CliError> {

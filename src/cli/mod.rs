@@ -106,6 +106,14 @@ pub enum Command {
     RunPipeline,
     /// List the advisory locks held in the database and who holds them.
     Locks,
+    /// Remove what the retention settings no longer keep (log_retention_days,
+    /// issue_retention_days), in small transactions; prints the rows removed
+    /// per table as one JSON object. `serve` does this by itself hourly.
+    Prune {
+        /// Only count what would be removed; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Give another system's role least privilege: writer or reader.
     ///
     /// Takes away whatever else the role held on newsnack's tables,
@@ -127,7 +135,7 @@ pub enum Command {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum GrantKind {
     /// Read every table; add issues; change an issue's processing_status,
-    /// title, body, score and collected_at.
+    /// title, body, score, collected_at and source_key.
     Writer,
     /// Read every table; nothing else.
     Reader,
@@ -177,7 +185,8 @@ pub struct ServeArgs {
 pub struct TailArgs {
     /// Start after this log position (0 replays the whole history);
     /// default: from now on. A position beyond the log's end starts at its
-    /// end, with a warning.
+    /// end, and one older than the log keeps (pruned) at its oldest kept
+    /// transition, each with a warning.
     #[arg(long, value_name = "SEQ", value_parser = clap::value_parser!(i64).range(0..))]
     pub since: Option<i64>,
     /// Only this issue's transitions.
@@ -194,7 +203,8 @@ pub struct TailArgs {
 #[derive(Debug, Subcommand)]
 pub enum IssuesCommand {
     /// Add one issue from flags, or many from a JSON file
-    /// (`[{"title":..,"body":..,"score":..}]` or `{"issues":[..]}`).
+    /// (`[{"title":..,"body":..,"score":..,"source_key":..}]` or
+    /// `{"issues":[..]}`). Prints `{"ids":[..],"existing":[..]}`.
     Add {
         #[arg(long, required_unless_present = "file", conflicts_with = "file")]
         title: Option<String>,
@@ -205,6 +215,11 @@ pub enum IssuesCommand {
         /// RFC 3339 time the issue was collected (default: now).
         #[arg(long, value_parser = parse_rfc3339)]
         collected_at: Option<OffsetDateTime>,
+        /// The collector's key for the story (1 to 1000 characters): if an
+        /// issue already holds it, nothing is added and that issue's id is
+        /// printed (also listed under "existing").
+        #[arg(long, value_name = "KEY", conflicts_with = "file")]
+        source_key: Option<String>,
         /// A JSON file of issues ("-" for standard input).
         #[arg(long)]
         file: Option<std::path::PathBuf>,
@@ -281,6 +296,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::RunPipeline => commands::run_pipeline(&database("newsnack-cli")?).await,
         Command::Locks => commands::locks(&database("newsnack-cli")?).await,
+        Command::Prune { dry_run } => commands::prune(&database("newsnack-cli")?, dry_run).await,
         Command::Grant { kind, role } => {
             commands::grant(&database("newsnack-grant")?, kind.into(), &role).await
         }

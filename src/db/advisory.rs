@@ -24,6 +24,8 @@ pub const MIGRATIONS: i64 = 7_236_284_560_371_893_002;
 pub const LEASE_REAPER: i64 = 7_236_284_560_371_893_003;
 /// Held by the one pipeline run in progress, for its whole length.
 pub const PIPELINE: i64 = 7_236_284_560_371_893_004;
+/// Held by the one instance that prunes by the retention settings.
+pub const PRUNE: i64 = 7_236_284_560_371_893_023;
 
 /// A readable name for a key, for listings.
 pub fn name_of(key: i64) -> &'static str {
@@ -32,6 +34,7 @@ pub fn name_of(key: i64) -> &'static str {
         MIGRATIONS => "migrations",
         LEASE_REAPER => "lease-reaper",
         PIPELINE => "pipeline",
+        PRUNE => "prune",
         _ => "other",
     }
 }

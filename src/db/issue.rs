@@ -19,6 +19,9 @@ pub struct NewIssue {
     pub body: String,
     pub score: f64,
     pub collected_at: Option<OffsetDateTime>,
+    /// The collector's key for the story: an issue with this key already
+    /// there makes adding this one a no-op (see [`add_issues`]).
+    pub source_key: Option<String>,
 }
 
 /// An issue as the API and CLI show it.
@@ -38,6 +41,8 @@ pub struct IssueView {
     pub claimed_by: Option<String>,
     #[serde(with = "time::serde::rfc3339::option")]
     pub lease_until: Option<OffsetDateTime>,
+    /// The collector's key for the story, if it gave one.
+    pub source_key: Option<String>,
 }
 
 /// One issue won by a claim, with what a writer needs to generate it.
@@ -100,38 +105,148 @@ pub enum ClaimScope {
     RetryBelow(i32),
 }
 
-/// Adds issues in one statement; returns their ids in input order.
+/// What adding issues did: each item's issue in input order, new or, for
+/// a `source_key` already there, the existing one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Added {
+    /// One id per item, in input order.
+    pub ids: Vec<i64>,
+    /// The ids answered for items whose key an issue already held before
+    /// (not added by this call), in input order, once each.
+    pub existing: Vec<i64>,
+}
+
+impl Added {
+    /// Whether any issue was added.
+    pub fn added_any(&self) -> bool {
+        self.ids.iter().any(|id| !self.existing.contains(id))
+    }
+}
+
+/// [`add_issues`], for callers that want the ids only.
 pub async fn insert_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Vec<i64>, DbError> {
-    let titles: Vec<&str> = issues.iter().map(|i| i.title.as_str()).collect();
-    let bodies: Vec<&str> = issues.iter().map(|i| i.body.as_str()).collect();
-    let scores: Vec<f64> = issues.iter().map(|i| i.score).collect();
-    let collected: Vec<Option<OffsetDateTime>> = issues.iter().map(|i| i.collected_at).collect();
-    let rows = client
-        .sql()
-        .query_typed(
-            "INSERT INTO issue (title, body, score, collected_at)
-             SELECT t, b, s, COALESCE(c, now())
-               FROM unnest($1::text[], $2::text[], $3::float8[], $4::timestamptz[])
-                    WITH ORDINALITY AS n(t, b, s, c, ord)
-              ORDER BY ord
-             RETURNING id",
-            &[
-                (&titles, Type::TEXT_ARRAY),
-                (&bodies, Type::TEXT_ARRAY),
-                (&scores, Type::FLOAT8_ARRAY),
-                (&collected, Type::TIMESTAMPTZ_ARRAY),
-            ],
-        )
-        .await?;
-    // Identity values are drawn row by row in `ord` order, so sorting the
-    // ids restores input order whatever order RETURNING reports them in.
-    let mut ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-    ids.sort_unstable();
-    Ok(ids)
+    Ok(add_issues(client, issues).await?.ids)
+}
+
+/// Adds issues; an item whose `source_key` an issue already holds (or an
+/// earlier item of the same call) adds nothing and answers that issue.
+///
+/// One `INSERT .. ON CONFLICT (source_key) DO NOTHING`, then one read of
+/// the keys it skipped: an insert that meets a key another transaction is
+/// adding waits for it to commit, then skips, and the read (a later
+/// statement, so a later snapshot) sees that issue. A skipped key whose
+/// issue is gone by the read (deleted meanwhile) is inserted again.
+pub async fn add_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Added, DbError> {
+    use std::collections::HashMap;
+    let mut answer: Vec<Option<i64>> = vec![None; issues.len()];
+    let mut existing = Vec::new();
+    // The first item of each key; later ones answer the same issue.
+    let mut first_of: HashMap<&str, usize> = HashMap::new();
+    let mut firsts: Vec<usize> = Vec::new();
+    for (i, issue) in issues.iter().enumerate() {
+        match issue.source_key.as_deref() {
+            Some(key) if first_of.contains_key(key) => {}
+            Some(key) => {
+                first_of.insert(key, i);
+                firsts.push(i);
+            }
+            None => firsts.push(i),
+        }
+    }
+    let mut pending = firsts;
+    for _ in 0..3 {
+        if pending.is_empty() {
+            break;
+        }
+        let rows: Vec<&NewIssue> = pending.iter().map(|&i| &issues[i]).collect();
+        let titles: Vec<&str> = rows.iter().map(|i| i.title.as_str()).collect();
+        let bodies: Vec<&str> = rows.iter().map(|i| i.body.as_str()).collect();
+        let scores: Vec<f64> = rows.iter().map(|i| i.score).collect();
+        let collected: Vec<Option<OffsetDateTime>> = rows.iter().map(|i| i.collected_at).collect();
+        let keys: Vec<Option<&str>> = rows.iter().map(|i| i.source_key.as_deref()).collect();
+        let inserted = client
+            .sql()
+            .query_typed(
+                "INSERT INTO issue (title, body, score, collected_at, source_key)
+                 SELECT t, b, s, COALESCE(c, now()), k
+                   FROM unnest($1::text[], $2::text[], $3::float8[], $4::timestamptz[], $5::text[])
+                        WITH ORDINALITY AS n(t, b, s, c, k, ord)
+                  ORDER BY ord
+                 ON CONFLICT (source_key) DO NOTHING
+                 RETURNING id, source_key",
+                &[
+                    (&titles, Type::TEXT_ARRAY),
+                    (&bodies, Type::TEXT_ARRAY),
+                    (&scores, Type::FLOAT8_ARRAY),
+                    (&collected, Type::TIMESTAMPTZ_ARRAY),
+                    (&keys, Type::TEXT_ARRAY),
+                ],
+            )
+            .await?;
+        // Identity values are drawn row by row in `ord` order, so the ids
+        // sorted are the inserted rows in input order.
+        let added_keys: BTreeSet<String> = inserted
+            .iter()
+            .filter_map(|r| r.get::<_, Option<String>>(1))
+            .collect();
+        let mut ids: Vec<i64> = inserted.iter().map(|r| r.get(0)).collect();
+        ids.sort_unstable();
+        let (added, skipped): (Vec<usize>, Vec<usize>) =
+            pending.iter().partition(|&&i| match &issues[i].source_key {
+                None => true,
+                Some(key) => added_keys.contains(key),
+            });
+        for (&i, id) in added.iter().zip(ids) {
+            answer[i] = Some(id);
+        }
+        if skipped.is_empty() {
+            break;
+        }
+        let wanted: Vec<&str> = skipped
+            .iter()
+            .filter_map(|&i| issues[i].source_key.as_deref())
+            .collect();
+        let found: HashMap<String, i64> = client
+            .sql()
+            .query_typed(
+                "SELECT source_key, id FROM issue WHERE source_key = ANY($1)",
+                &[(&wanted, Type::TEXT_ARRAY)],
+            )
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        pending = Vec::new();
+        for i in skipped {
+            match issues[i].source_key.as_ref().and_then(|k| found.get(k)) {
+                Some(&id) => {
+                    answer[i] = Some(id);
+                    if !existing.contains(&id) {
+                        existing.push(id);
+                    }
+                }
+                None => pending.push(i),
+            }
+        }
+    }
+    for (i, issue) in issues.iter().enumerate() {
+        if answer[i].is_none() {
+            if let Some(&first) = issue.source_key.as_deref().and_then(|k| first_of.get(k)) {
+                answer[i] = answer[first];
+            }
+        }
+    }
+    let ids: Option<Vec<i64>> = answer.into_iter().collect();
+    let ids = ids.ok_or_else(|| {
+        DbError::Invalid("an issue's source_key kept being deleted while it was added".into())
+    })?;
+    // In input order.
+    existing.sort_by_key(|id| ids.iter().position(|x| x == id));
+    Ok(Added { ids, existing })
 }
 
 const VIEW_COLUMNS: &str = "id, title, body, score, collected_at, processing_status, attempts, \
-                            last_error, updated_at, claimed_by, lease_until";
+                            last_error, updated_at, claimed_by, lease_until, source_key";
 
 fn view_from_row(row: &tokio_postgres::Row) -> Result<IssueView, DbError> {
     let id: i64 = row.get(0);
@@ -147,6 +262,7 @@ fn view_from_row(row: &tokio_postgres::Row) -> Result<IssueView, DbError> {
         updated_at: super::time_column(row, 8, "issue", id)?,
         claimed_by: row.get(9),
         lease_until: super::time_column(row, 10, "issue", id)?,
+        source_key: row.get(11),
     })
 }
 

@@ -128,9 +128,14 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../sql/0022_claim_by_key.sql"),
     },
     Migration {
-        version: 25,
+        version: 23,
+        name: "running for years",
+        sql: include_str!("../../sql/0023_running_for_years.sql"),
+    },
+    Migration {
+        version: 24,
         name: "answer settings",
-        sql: include_str!("../../sql/0025_answer_settings.sql"),
+        sql: include_str!("../../sql/0024_answer_settings.sql"),
     },
 ];
 

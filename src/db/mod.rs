@@ -9,6 +9,7 @@ pub mod issue;
 pub mod llm_budget;
 pub mod migrate;
 pub mod pipeline_run;
+pub mod retention;
 pub mod role;
 pub mod setting;
 pub mod tls;

@@ -41,7 +41,8 @@ impl RoleKind {
 
 /// The columns of `issue` a writer may insert (the rest take their
 /// defaults, the id included).
-pub const WRITER_INSERT_COLUMNS: &[&str] = &["title", "body", "score", "collected_at"];
+pub const WRITER_INSERT_COLUMNS: &[&str] =
+    &["title", "body", "score", "collected_at", "source_key"];
 
 /// The columns of `issue` a writer may update.
 pub const WRITER_UPDATE_COLUMNS: &[&str] = &[
@@ -50,6 +51,7 @@ pub const WRITER_UPDATE_COLUMNS: &[&str] = &[
     "body",
     "score",
     "collected_at",
+    "source_key",
 ];
 
 /// What a grant did.
@@ -509,8 +511,8 @@ mod tests {
             [
                 "REVOKE ALL ON TABLE public.issue FROM \"ETL\"",
                 "GRANT SELECT ON TABLE public.issue TO \"ETL\"",
-                "GRANT INSERT (title, body, score, collected_at) ON TABLE public.issue TO \"ETL\"",
-                "GRANT UPDATE (processing_status, title, body, score, collected_at) ON TABLE public.issue TO \"ETL\"",
+                "GRANT INSERT (title, body, score, collected_at, source_key) ON TABLE public.issue TO \"ETL\"",
+                "GRANT UPDATE (processing_status, title, body, score, collected_at, source_key) ON TABLE public.issue TO \"ETL\"",
             ]
         );
     }

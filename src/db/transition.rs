@@ -1,5 +1,6 @@
 //! Reads of the durable transition log `issue_transition`. Rows are only
-//! ever appended, by the trigger in `sql/0002_transitions.sql`.
+//! ever appended, by the trigger in `sql/0002_transitions.sql`, and removed
+//! from the log's start by a prune ([`super::retention`]).
 
 use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient as _;
@@ -9,7 +10,8 @@ use crate::model::transition::Transition;
 
 /// [`read_after`] over the whole log: a range of the primary key. Public,
 /// like the next one, so that tests can check its plan.
-pub const READ_AFTER: &str = "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal
+pub const READ_AFTER: &str = "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal,
+            (SELECT min(seq) FROM issue_transition)
        FROM issue_transition
       WHERE seq > $1
       ORDER BY seq
@@ -18,7 +20,8 @@ pub const READ_AFTER: &str = "SELECT seq, issue_id, from_status, to_status, at, 
 /// [`read_after`] for one issue: a range of `(issue_id, seq)`, so a reader
 /// of one issue reads its rows only, however long the log.
 pub const READ_AFTER_FOR_ISSUE: &str =
-    "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal
+    "SELECT seq, issue_id, from_status, to_status, at, attempts, fatal,
+            (SELECT min(seq) FROM issue_transition)
        FROM issue_transition
       WHERE issue_id = $2 AND seq > $1
       ORDER BY seq
@@ -26,13 +29,39 @@ pub const READ_AFTER_FOR_ISSUE: &str =
 
 /// Up to `limit` transitions after `after_seq`, in `seq` order, optionally
 /// for one issue only. Because `seq` is allocated in commit order, a reader
-/// that resumes from the last `seq` it saw never skips a row.
+/// that resumes from the last `seq` it saw never skips a row, unless a
+/// prune removed it: [`read_page`] tells.
 pub async fn read_after(
     client: &impl Sql,
     after_seq: i64,
     issue_id: Option<i64>,
     limit: i64,
 ) -> Result<Vec<Transition>, DbError> {
+    Ok(read_page(client, after_seq, issue_id, limit)
+        .await?
+        .transitions)
+}
+
+/// What [`read_page`] read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page {
+    pub transitions: Vec<Transition>,
+    /// Set when transitions after `after_seq` were pruned: the oldest
+    /// `seq` the log keeps, where `transitions` begin (for one issue's
+    /// page, its first kept one at or after it).
+    pub pruned_to: Option<i64>,
+}
+
+/// [`read_after`], and in the same snapshot whether a prune removed rows
+/// right after `after_seq`: the log's oldest row is beyond `after_seq + 1`.
+/// (A `seq` lost to a rolled-back commit right there looks the same; the
+/// reader is then told of a prune that removed nothing.)
+pub async fn read_page(
+    client: &impl Sql,
+    after_seq: i64,
+    issue_id: Option<i64>,
+    limit: i64,
+) -> Result<Page, DbError> {
     let rows = match issue_id {
         None => {
             client
@@ -57,7 +86,15 @@ pub async fn read_after(
                 .await?
         }
     };
-    rows.iter()
+    let oldest: Option<i64> = match rows.first() {
+        Some(row) => row.get(7),
+        // An issue with nothing after `after_seq`: the log may still have
+        // lost rows of it there.
+        None if issue_id.is_some() => oldest_seq(client).await?,
+        None => None,
+    };
+    let transitions = rows
+        .iter()
         .map(|row| {
             let seq: i64 = row.get(0);
             let from: Option<String> = row.get(2);
@@ -75,7 +112,20 @@ pub async fn read_after(
                 fatal: row.get(6),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, DbError>>()?;
+    Ok(Page {
+        transitions,
+        pruned_to: oldest.filter(|&oldest| oldest > after_seq.saturating_add(1)),
+    })
+}
+
+/// The oldest `seq` the log keeps; `None` when it is empty.
+pub async fn oldest_seq(client: &impl Sql) -> Result<Option<i64>, DbError> {
+    let row = client
+        .sql()
+        .query_typed_one("SELECT min(seq) FROM issue_transition", &[])
+        .await?;
+    Ok(row.get(0))
 }
 
 /// The newest `seq` in the log, 0 when it is empty.

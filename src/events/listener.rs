@@ -538,7 +538,17 @@ impl Listener {
         const PAGE: i64 = 1000;
         loop {
             self.flush();
-            let page = db::transition::read_after(client, self.last_seq, None, PAGE).await?;
+            let page = db::transition::read_page(client, self.last_seq, None, PAGE).await?;
+            if let Some(oldest) = page.pruned_to {
+                // Away longer than the log is kept: what was pruned in
+                // between is gone, and readers of the log learn of it.
+                tracing::warn!(
+                    published = self.last_seq,
+                    oldest,
+                    "transitions after the last one published were pruned; going on from the oldest kept"
+                );
+            }
+            let page = page.transitions;
             let full = page.len() as i64 == PAGE;
             for t in page {
                 self.publish(t);

@@ -8,6 +8,13 @@
 //! nothing is delivered twice. `seq` is allocated in commit order (see
 //! `sql/0002_transitions.sql`), so reading `seq > last` never skips a row
 //! that commits late.
+//!
+//! A prune removes rows from the log's start only. A log read that finds
+//! the rows right after its position gone (the log's oldest row beyond it,
+//! seen in the same snapshot as the rows read) goes on from the oldest kept
+//! row, with no gap after it, and says so first:
+//! [`TransitionStream::next_item`] yields [`StreamItem::Pruned`] before
+//! the transitions that follow. [`TransitionStream::next`] passes over it.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -26,6 +33,17 @@ pub enum StreamError {
     Closed,
 }
 
+/// What [`TransitionStream::next_item`] yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StreamItem {
+    Transition(Transition),
+    /// The transitions after the stream's position up to `oldest` were
+    /// pruned: the stream goes on from `oldest`, the oldest kept.
+    Pruned {
+        oldest: i64,
+    },
+}
+
 /// See the module docs.
 pub struct TransitionStream {
     pool: DbPool,
@@ -34,6 +52,8 @@ pub struct TransitionStream {
     issue_id: Option<i64>,
     backlog: VecDeque<Transition>,
     reading_log: bool,
+    /// A prune found by the last log read, not yet yielded.
+    pruned: Option<i64>,
 }
 
 const PAGE: i64 = 500;
@@ -52,6 +72,7 @@ impl TransitionStream {
             issue_id,
             backlog: VecDeque::new(),
             reading_log: true,
+            pruned: None,
         }
     }
 
@@ -80,9 +101,19 @@ impl TransitionStream {
     /// listener has stopped. For followers that must not give up on one
     /// failed read (the retry scheduler, smart waits, the tail). Cancel-safe.
     pub async fn next_through_outages(&mut self) -> Result<Transition, StreamError> {
+        loop {
+            if let StreamItem::Transition(t) = self.next_item_through_outages().await? {
+                return Ok(t);
+            }
+        }
+    }
+
+    /// [`TransitionStream::next_through_outages`], telling of prunes (see
+    /// [`TransitionStream::next_item`]). Cancel-safe.
+    pub async fn next_item_through_outages(&mut self) -> Result<StreamItem, StreamError> {
         let mut backoff = Duration::from_millis(100);
         loop {
-            match self.next().await {
+            match self.next_item().await {
                 Err(StreamError::Db(e)) => {
                     tracing::warn!(error = %e, retry_in = ?backoff, "cannot read the transition log; retrying");
                     tokio::time::sleep(backoff).await;
@@ -131,27 +162,44 @@ impl TransitionStream {
         }
     }
 
-    /// The next transition, waiting for one if need be. Cancel-safe: dropping
-    /// the future loses nothing.
+    /// The next transition, waiting for one if need be; passes over
+    /// prunes. Cancel-safe: dropping the future loses nothing.
     pub async fn next(&mut self) -> Result<Transition, StreamError> {
         loop {
+            if let StreamItem::Transition(t) = self.next_item().await? {
+                return Ok(t);
+            }
+        }
+    }
+
+    /// The next transition, or first the news that the transitions after
+    /// the stream's position were pruned (then the stream goes on from the
+    /// oldest kept one). Cancel-safe: dropping the future loses nothing.
+    pub async fn next_item(&mut self) -> Result<StreamItem, StreamError> {
+        loop {
+            if let Some(oldest) = self.pruned.take() {
+                return Ok(StreamItem::Pruned { oldest });
+            }
             if let Some(t) = self.backlog.pop_front() {
                 self.last_seq = t.seq;
-                return Ok(t);
+                return Ok(StreamItem::Transition(t));
             }
             if self.reading_log {
                 let client = self.pool.get().await.map_err(DbError::from)?;
-                let page =
-                    db::transition::read_after(&**client, self.last_seq, self.issue_id, PAGE)
-                        .await?;
-                self.reading_log = page.len() as i64 == PAGE;
-                self.backlog.extend(page);
+                let page = db::transition::read_page(&**client, self.last_seq, self.issue_id, PAGE)
+                    .await?;
+                self.reading_log = page.transitions.len() as i64 == PAGE;
+                if let Some(oldest) = page.pruned_to {
+                    self.last_seq = self.last_seq.max(oldest - 1);
+                    self.pruned = Some(oldest);
+                }
+                self.backlog.extend(page.transitions);
                 continue;
             }
             match self.live.recv().await {
                 Ok(t) => {
                     if let Some(t) = self.deliver(t) {
-                        return Ok(t);
+                        return Ok(StreamItem::Transition(t));
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(missed)) => {

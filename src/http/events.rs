@@ -61,6 +61,19 @@
 //!
 //! so the client knows to reload what it shows rather than wait for a
 //! position the log may take days to reach.
+//!
+//! A start older than the log keeps (transitions after it were pruned, see
+//! `log_retention_days`) goes on from the oldest kept transition, with no
+//! gap after it, announced first by
+//!
+//! ```text
+//! id: OLDEST-1
+//! event: reset
+//! data: {"oldest":OLDEST}
+//! ```
+//!
+//! and the same is sent if a prune overtakes a stream that is still
+//! reading the log.
 //! A comment line is sent every [`KEEP_ALIVE`] (15 s) to keep proxies and
 //! idle-timeouts from closing a quiet stream.
 
@@ -87,7 +100,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use super::error::ApiError;
 use super::AppState;
 use crate::events::hub::{EventHub, ListenerStatus, StartingPoint};
-use crate::events::stream::TransitionStream;
+use crate::events::stream::{StreamItem, TransitionStream};
 use crate::model::transition::Transition;
 
 /// How often a keep-alive comment is sent on a quiet stream.
@@ -237,6 +250,16 @@ fn reset_event(requested: i64, end: i64) -> Bytes {
     Bytes::from(format!("id: {end}\nevent: {RESET_EVENT}\ndata: {data}\n\n"))
 }
 
+/// `id: OLDEST-1`, `event: reset`, `data: {"oldest":OLDEST}`: what the
+/// stream was asked for is older than the log keeps.
+fn pruned_event(oldest: i64) -> Bytes {
+    let data = serde_json::json!({ "oldest": oldest });
+    Bytes::from(format!(
+        "id: {}\nevent: {RESET_EVENT}\ndata: {data}\n\n",
+        oldest - 1
+    ))
+}
+
 /// One client's stream and what the slow-client policy needs.
 struct Feed {
     /// Sent before any transition: the `reset` notice, if any.
@@ -271,12 +294,16 @@ impl Feed {
         let next = tokio::select! {
             biased;
             _ = &mut self.shutdown => return self.end("server shutting down"),
-            next = self.stream.next() => next,
+            next = self.stream.next_item() => next,
             _ = self.keep_alive.due() => return Bytes::from_static(b":\n\n"),
         };
         self.keep_alive.sent();
         let transition = match next {
-            Ok(t) => t,
+            Ok(StreamItem::Transition(t)) => t,
+            Ok(StreamItem::Pruned { oldest }) => {
+                self.sent = self.sent.max(oldest - 1);
+                return pruned_event(oldest);
+            }
             Err(e) => {
                 tracing::warn!(error = %e, resume_after = self.sent, "ending an SSE stream");
                 return self.end("transition stream failed");

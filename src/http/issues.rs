@@ -28,9 +28,11 @@ pub struct AddIssues {
     issues: Vec<NewIssueJson>,
 }
 
-/// Add issues (1 to 1000).
+/// Add issues (1 to 1000); an item whose `source_key` is already there
+/// adds nothing and answers the issue that holds it.
 #[utoipa::path(post, path = "/issues", request_body = AddIssues, tag = "issues",
-    responses((status = 201, body = AddedIssues, description = "The new issues' ids, in input order"),
+    responses((status = 201, body = AddedIssues, description = "Something was added: one id per item, in input order"),
+              (status = 200, body = AddedIssues, description = "Nothing was added: every item's key was already there"),
               (status = 422, body = ErrorBody, description = "Invalid issues (outside the schema, or a blank title); nothing added")))]
 pub async fn add_issues(
     State(state): State<AppState>,
@@ -39,8 +41,19 @@ pub async fn add_issues(
     let new: Vec<NewIssue> = request.issues.into_iter().map(NewIssue::from).collect();
     input::check_new_issues(&new)?;
     let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
-    let ids = issue::insert_issues(&client, &new).await?;
-    Ok((StatusCode::CREATED, Json(AddedIssues { ids })))
+    let added = issue::add_issues(&client, &new).await?;
+    let status = if added.added_any() {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        Json(AddedIssues {
+            ids: added.ids,
+            existing: added.existing,
+        }),
+    ))
 }
 
 /// One issue.

@@ -30,6 +30,9 @@ pub struct NewIssueJson {
     #[serde(default, with = "time::serde::rfc3339::option")]
     #[schema(schema_with = collected_at_schema)]
     pub collected_at: Option<OffsetDateTime>,
+    #[serde(default)]
+    #[schema(schema_with = source_key_schema)]
+    pub source_key: Option<String>,
 }
 
 impl From<NewIssueJson> for NewIssue {
@@ -39,14 +42,20 @@ impl From<NewIssueJson> for NewIssue {
             body: j.body,
             score: j.score,
             collected_at: j.collected_at,
+            source_key: j.source_key,
         }
     }
 }
 
-/// The ids of issues just added, in the order they were sent.
+/// The issues of the items sent, in the order they were sent: new ones,
+/// or for a `source_key` already there, the issue that holds it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct AddedIssues {
+    /// One id per item, in input order.
     pub ids: Vec<i64>,
+    /// The ids in `ids` of issues that were there before (their key was),
+    /// once each, in input order.
+    pub existing: Vec<i64>,
 }
 
 /// What a claim did with the ids it was asked for.
@@ -148,6 +157,19 @@ pub fn collected_at_schema() -> ObjectBuilder {
         .pattern(Some(COLLECTED_AT_PATTERN))
         .description(Some(
             "RFC 3339, a year from 0002 to 9998 as written; absent or null: now",
+        ))
+}
+
+/// A collector's key for a story (absent or `null`: none).
+pub fn source_key_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+        .min_length(Some(1))
+        .max_length(Some(input::MAX_SOURCE_KEY_CHARS))
+        .pattern(Some(BODY_PATTERN))
+        .description(Some(
+            "The collector's key for the story, 1 to 1000 characters, no NUL character: \
+             an item whose key an issue already holds adds nothing and answers that issue",
         ))
 }
 

@@ -96,6 +96,11 @@ pub struct Settings {
     /// Phrases separated by `|` (see [`Settings::article_checks`]).
     pub article_reject_phrases: String,
     pub article_script: Script,
+    /// Days transitions, pipeline runs and the LLM budget's bookkeeping
+    /// are kept (0: forever).
+    pub log_retention_days: i64,
+    /// Days finished issues are kept after their last update (0: forever).
+    pub issue_retention_days: i64,
 }
 
 impl Default for Settings {
@@ -125,6 +130,8 @@ impl Default for Settings {
             article_body_max_chars: 20_000,
             article_reject_phrases: String::new(),
             article_script: Script::Any,
+            log_retention_days: 30,
+            issue_retention_days: 0,
         }
     }
 }
@@ -173,6 +180,8 @@ impl Settings {
         if let Some(v) = values.get("article_script").and_then(|v| Script::parse(v)) {
             s.article_script = v;
         }
+        take("log_retention_days", &mut s.log_retention_days);
+        take("issue_retention_days", &mut s.issue_retention_days);
         for (key, slot) in [
             ("schedule", &mut s.schedule),
             ("llm_system_prompt", &mut s.llm_system_prompt),
@@ -213,6 +222,15 @@ impl Settings {
         self.timezone
             .parse()
             .map_err(|_| SettingError::UnknownTimeZone(self.timezone.clone()))
+    }
+
+    /// What a prune keeps.
+    pub fn retention(&self) -> db::retention::Retention {
+        db::retention::Retention {
+            log_days: self.log_retention_days,
+            issue_days: self.issue_retention_days,
+            max_attempts: self.max_attempts,
+        }
     }
 
     pub fn lease(&self) -> Duration {

@@ -350,6 +350,7 @@ impl TestDb {
                 body: format!("body of issue {i}"),
                 score: i as f64,
                 collected_at: None,
+                source_key: None,
             })
             .collect();
         let client = self.pool.get().await.unwrap();

@@ -1,4 +1,4 @@
--- 0025: the settings of a second LLM provider, a daily token budget and
+-- 0024: the settings of a second LLM provider, a daily token budget and
 -- checked answers (docs/configuration.md), with two new kinds of setting:
 -- `choice` (one of the words in `setting_spec.choices`) and `phrase_list`
 -- (phrases separated by `|`, none of them empty).
