@@ -14,7 +14,7 @@
 //! | [`shutdown`] | the one shutdown signal every task selects on |
 //! | [`db`] | connections (TLS, pooled and direct endpoints), the pool, migrations, roles, advisory locks, every SQL query (one file per table) |
 //! | [`input`] | validation of ids and new issues, shared by the API and the CLI |
-//! | [`writer`] | the OpenAI-compatible LLM client and the built-in offline writer |
+//! | [`writer`] | the OpenAI-compatible LLM client, the built-in offline writer, the checks an answer passes before it is stored |
 //! | [`settings`] | typed runtime settings re-read when announced, and the `schedule` setting's grammar |
 //! | [`events`] | the one LISTEN connection (`listener`), the hub that fans out what it hears, gapless resumable streams over the log |
 //! | [`claims`] | `SKIP LOCKED` claims batched by group commit, releasing claims, known-`DONE` ids |

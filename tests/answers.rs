@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::{until_sql, TestDb};
-use newsnack::writer::{self, SharedWriter, WriterConfig};
+use newsnack::writer::SharedWriter;
 use serde_json::{json, Value};
 use unicode_normalization::UnicodeNormalization;
 
@@ -24,13 +24,7 @@ const KOREAN: &str =
     "시의회 예산안 통과\n\n시의회가 월요일 2025년 예산안을 7대 2로 통과시켰다.\n\n공원 예산은 4% 늘어난다.";
 
 fn llm_writer(fake: &FakeLlm) -> SharedWriter {
-    writer::build(&WriterConfig {
-        llm_url: Some(fake.url.clone()),
-        model: "fake-model".into(),
-        api_key: None,
-        timeout: Duration::from_secs(30),
-    })
-    .unwrap()
+    fake.writer(Duration::from_secs(30))
 }
 
 /// The title, as the prompt template carries it.

@@ -13,37 +13,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::{until_sql, until_sql_polled, TestDb};
-use newsnack::writer::{self, SharedWriter, WriterConfig};
+use common::{titled, until_sql, until_sql_polled, TestDb};
+use newsnack::writer::{self, SharedWriter};
 use serde_json::{json, Value};
 
 const GOOD: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
 
 fn llm_writer(fake: &FakeLlm) -> SharedWriter {
-    writer::build(&WriterConfig {
-        llm_url: Some(fake.url.clone()),
-        model: "fake-model".into(),
-        api_key: None,
-        timeout: Duration::from_secs(60),
-    })
-    .unwrap()
-}
-
-/// Adds `n` issues titled `{prefix} N`; their ids.
-async fn titled(db: &TestDb, prefix: &str, n: usize) -> Vec<i64> {
-    let client = db.pool.get().await.unwrap();
-    let issues: Vec<_> = (0..n)
-        .map(|i| newsnack::db::issue::NewIssue {
-            title: format!("{prefix} {i}"),
-            body: format!("What happened in {prefix} {i}."),
-            score: 1.0,
-            collected_at: None,
-            source_key: None,
-        })
-        .collect();
-    newsnack::db::issue::insert_issues(&client, &issues)
-        .await
-        .unwrap()
+    fake.writer(Duration::from_secs(60))
 }
 
 /// Claims `ids` through the instance at `addr`, asserting all were.

@@ -20,24 +20,18 @@ use std::time::Duration;
 use common::fake_llm::{FakeLlm, Reply};
 use common::http::get_json;
 use common::process::ServeProcess;
-use common::{first_column, until_sql, until_sql_polled, within, TestDb};
+use common::{first_column, titled, until_sql, until_sql_polled, within, TestDb};
 use futures::future::BoxFuture;
 use newsnack::db::llm_budget::{exchange, CallToQueue, Exchange, ExchangeAnswer};
 use newsnack::model::llm::Priority;
-use newsnack::writer::{self, Article, IssueText, SharedWriter, WriteError, Writer, WriterConfig};
+use newsnack::writer::{self, Article, IssueText, SharedWriter, WriteError, Writer};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
 const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
 
 fn llm_writer(fake: &FakeLlm) -> SharedWriter {
-    writer::build(&WriterConfig {
-        llm_url: Some(fake.url.clone()),
-        model: "fake-model".into(),
-        api_key: None,
-        timeout: Duration::from_secs(30),
-    })
-    .unwrap()
+    fake.writer(Duration::from_secs(30))
 }
 
 /// `POST /ai-articles` with an optional `priority`; the status and body.
@@ -68,23 +62,6 @@ async fn claim_all(addr: std::net::SocketAddr, ids: &[i64], priority: Option<&st
         ids.len(),
         "{body}"
     );
-}
-
-/// Adds issues titled `{prefix} N`.
-async fn titled(db: &TestDb, prefix: &str, n: usize) -> Vec<i64> {
-    let client = db.pool.get().await.unwrap();
-    let issues: Vec<_> = (0..n)
-        .map(|i| newsnack::db::issue::NewIssue {
-            title: format!("{prefix} {i}"),
-            body: format!("What happened in {prefix} {i}."),
-            score: 1.0,
-            collected_at: None,
-            source_key: None,
-        })
-        .collect();
-    newsnack::db::issue::insert_issues(&client, &issues)
-        .await
-        .unwrap()
 }
 
 /// A setting's stored value.

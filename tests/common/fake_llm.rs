@@ -111,6 +111,17 @@ pub struct FakeLlm {
 }
 
 impl FakeLlm {
+    /// The project's LLM writer, pointed at this fake, with no API key.
+    pub fn writer(&self, timeout: std::time::Duration) -> newsnack::writer::SharedWriter {
+        newsnack::writer::build(&newsnack::writer::WriterConfig {
+            llm_url: Some(self.url.clone()),
+            model: "fake-model".into(),
+            api_key: None,
+            timeout,
+        })
+        .unwrap()
+    }
+
     /// Every request answered by `script(n, request_json)`; n counts requests
     /// from 0. A body that is not JSON reaches the script as `Value::Null`.
     pub async fn start(script: impl Fn(u64, &Value) -> Reply + Send + Sync + 'static) -> FakeLlm {

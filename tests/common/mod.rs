@@ -860,3 +860,20 @@ fn plan_rows_read(plan: &serde_json::Value, table: &str, indexes: &[String]) -> 
             .sum()
     })
 }
+
+/// Adds `n` issues titled `{prefix} N`, with a body each; their ids.
+pub async fn titled(db: &TestDb, prefix: &str, n: usize) -> Vec<i64> {
+    let client = db.pool.get().await.unwrap();
+    let issues: Vec<_> = (0..n)
+        .map(|i| newsnack::db::issue::NewIssue {
+            title: format!("{prefix} {i}"),
+            body: format!("What happened in {prefix} {i}."),
+            score: 1.0,
+            collected_at: None,
+            source_key: None,
+        })
+        .collect();
+    newsnack::db::issue::insert_issues(&client, &issues)
+        .await
+        .unwrap()
+}
