@@ -14,6 +14,10 @@ pub const MAX_TITLE_CHARS: usize = 1_000;
 pub const MAX_BODY_CHARS: usize = 100_000;
 /// Longest accepted `source_key`, in characters (at least one).
 pub const MAX_SOURCE_KEY_CHARS: usize = 1_000;
+/// Longest accepted `source_key` in UTF-8 bytes: its `UNIQUE` index holds
+/// keys up to about 2,690 bytes, so 1,000 characters of a script written
+/// with 3 or 4 bytes each may not fit, and would fail as the index's error.
+pub const MAX_SOURCE_KEY_BYTES: usize = 2_048;
 /// The years a `collected_at` may name, as written: any offset then keeps
 /// it within the years 1 to 9999 in UTC, which the service can store and
 /// read back.
@@ -107,6 +111,13 @@ pub fn check_new_issues(issues: &[NewIssue]) -> Result<(), InvalidInput> {
                     "issues[{i}].source_key must be 1 to {MAX_SOURCE_KEY_CHARS} characters long, got {chars}"
                 )));
             }
+            if key.len() > MAX_SOURCE_KEY_BYTES {
+                return Err(InvalidInput::Bad(format!(
+                    "issues[{i}].source_key must be at most {MAX_SOURCE_KEY_BYTES} bytes in UTF-8 \
+                     (the unique index's limit), got {}",
+                    key.len()
+                )));
+            }
             if key.contains('\0') {
                 return Err(InvalidInput::Bad(format!(
                     "issues[{i}].source_key must not contain NUL characters"
@@ -180,7 +191,7 @@ mod tests {
     }
 
     #[test]
-    fn a_source_key_holds_1_to_1000_characters() {
+    fn a_source_key_holds_1_to_1000_characters_in_at_most_2048_bytes() {
         let keyed = |key: String| {
             check_new_issues(&[NewIssue {
                 source_key: Some(key),
@@ -188,7 +199,11 @@ mod tests {
             }])
         };
         assert!(keyed("https://example.com/story/1".into()).is_ok());
-        assert!(keyed("가".repeat(MAX_SOURCE_KEY_CHARS)).is_ok());
+        assert!(keyed("가".repeat(MAX_SOURCE_KEY_BYTES / 3)).is_ok());
+        let wide = keyed("가".repeat(MAX_SOURCE_KEY_BYTES / 3 + 1))
+            .unwrap_err()
+            .to_string();
+        assert!(wide.contains("at most 2048 bytes in UTF-8"), "{wide}");
         let empty = keyed(String::new()).unwrap_err().to_string();
         assert!(
             empty.contains("issues[0].source_key must be 1 to 1000"),

@@ -25,6 +25,14 @@ async fn post(http: &reqwest::Client, url: &str, body: Value) -> (StatusCode, Va
     (status, response.json().await.unwrap())
 }
 
+/// `n` Hangul syllables (three bytes each in UTF-8) in an order that does
+/// not compress, so the unique index sees every byte.
+fn hangul(n: usize) -> String {
+    (0..n)
+        .map(|i| char::from_u32(0xAC00 + (i as u32 * 7919) % 11172).unwrap())
+        .collect()
+}
+
 fn ids(answer: &Value, field: &str) -> Vec<i64> {
     answer[field]
         .as_array()
@@ -142,6 +150,10 @@ async fn keys_out_of_bounds_are_refused_and_nothing_is_added() {
             json!("k".repeat(1001)),
             "issues[1].source_key must be 1 to 1000 characters long, got 1001",
         ),
+        (
+            json!(hangul(683)),
+            "issues[1].source_key must be at most 2048 bytes in UTF-8 (the unique index's limit), got 2049",
+        ),
         (json!(7), "source_key"),
         (json!("a\u{0}b"), "NUL"),
     ] {
@@ -155,11 +167,12 @@ async fn keys_out_of_bounds_are_refused_and_nothing_is_added() {
         let error = answer["error"].as_str().unwrap();
         assert!(error.contains(says), "{key}: {error}");
     }
-    // 1000 characters of three bytes each are fine; null is no key.
+    // The longest key, of syllables that do not compress, fits the unique
+    // index; null is no key.
     let (status, answer) = post(
         &http,
         &url,
-        json!({"issues": [{"title": "long", "source_key": "가".repeat(1000)},
+        json!({"issues": [{"title": "long", "source_key": hangul(682)},
                           {"title": "null", "source_key": null}]}),
     )
     .await;

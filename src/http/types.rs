@@ -168,7 +168,8 @@ pub fn source_key_schema() -> ObjectBuilder {
         .max_length(Some(input::MAX_SOURCE_KEY_CHARS))
         .pattern(Some(BODY_PATTERN))
         .description(Some(
-            "The collector's key for the story, 1 to 1000 characters, no NUL character: \
+            "The collector's key for the story, 1 to 1000 characters in at most 2048 bytes \
+             of UTF-8, no NUL character: \
              an item whose key an issue already holds adds nothing and answers that issue",
         ))
 }
