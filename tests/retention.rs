@@ -3,7 +3,8 @@
 //! nothing; the log goes from its start only and keeps its newest row; a
 //! subscriber, a replaying stream and a wait open across a prune miss
 //! nothing and repeat nothing; `tail` from a pruned position warns and
-//! follows from the oldest kept; `serve` prunes by itself under its lock.
+//! follows from the oldest kept; `serve` prunes by itself under its lock;
+//! and a pruner that deletes by age alone leaves a gap these checks see.
 
 mod common;
 
@@ -15,6 +16,7 @@ use std::time::Duration;
 use common::{until_published, until_sql_polled, within, TestDb};
 use newsnack::briefing::wait::{ArmedWait, WaitOutcome, WaitRequest};
 use newsnack::db::retention::{prune, PruneReport, Retention};
+use newsnack::events::hub::EventHub;
 use newsnack::events::stream::StreamItem;
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::Value;
@@ -400,6 +402,83 @@ async fn a_subscriber_a_replay_and_a_wait_open_across_a_prune_miss_and_repeat_no
     let report = within(30, "the wait", waiting).await.unwrap().unwrap();
     assert_eq!(report.outcome, WaitOutcome::AllPass);
     assert_eq!(report.completed, targets);
+    stop.cancel();
+}
+
+/// The replay's check catches the pruner this module exists to rule out:
+/// one that deletes every old row wherever it sits. With an old row in the
+/// middle of the log, deleting by age alone leaves a gap after the oldest
+/// kept row, which a replay shows as a missing `seq`; the service's prune
+/// of the same log leaves none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_by_age_alone_leaves_a_gap_that_a_replay_shows() {
+    let db = TestDb::new().await;
+    let sql = db.raw().await;
+    let (hub, stop) = db.listener().await;
+    db.add_issues(40).await;
+    let seqs = ids(&sql, "SELECT seq FROM issue_transition ORDER BY seq").await;
+    let end = *seqs.last().unwrap();
+    until_published(&hub, end).await;
+    let middle = seqs[25];
+    backdate_log(&sql, seqs[19], &[middle], 10).await;
+
+    /// What a replay from the log's start delivers after the prune notice.
+    async fn replay(hub: &EventHub, end: i64) -> Vec<i64> {
+        let mut stream = hub.stream_after(0, None);
+        let mut seen = Vec::new();
+        while seen.last() != Some(&end) {
+            match within(10, "the replay", stream.next_item()).await.unwrap() {
+                StreamItem::Transition(t) => seen.push(t.seq),
+                StreamItem::Pruned { oldest } => assert!(seen.is_empty(), "pruned at {oldest}"),
+            }
+        }
+        seen
+    }
+    fn gaps(seen: &[i64]) -> Vec<i64> {
+        seen.windows(2).flat_map(|w| w[0] + 1..w[1]).collect()
+    }
+
+    // The broken variant, by raw SQL, on a copy of the log's rows put back
+    // afterwards.
+    sql.batch_execute(
+        "CREATE TEMP TABLE kept AS SELECT * FROM issue_transition;
+         DELETE FROM issue_transition WHERE at < now() - interval '7 days';",
+    )
+    .await
+    .unwrap();
+    let broken = replay(&hub, end).await;
+    assert_eq!(
+        gaps(&broken),
+        [middle],
+        "deleting by age leaves the middle row's gap"
+    );
+    sql.batch_execute(
+        "INSERT INTO issue_transition OVERRIDING SYSTEM VALUE SELECT * FROM kept
+           WHERE seq NOT IN (SELECT seq FROM issue_transition)",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        ids(&sql, "SELECT seq FROM issue_transition ORDER BY seq").await,
+        seqs
+    );
+
+    let client = db.pool.get().await.unwrap();
+    let report = prune(
+        &client,
+        &Retention {
+            log_days: 7,
+            issue_days: 0,
+            max_attempts: 3,
+        },
+        false,
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.issue_transition, 20);
+    let kept = replay(&hub, end).await;
+    assert!(gaps(&kept).is_empty(), "{:?}", gaps(&kept));
+    assert_eq!(kept, seqs[20..].to_vec());
     stop.cancel();
 }
 
