@@ -2,7 +2,8 @@
 //! add a story once and answer the existing issue after that (`existing`,
 //! 201 when anything was added, 200 when nothing was); a key repeated in one
 //! request counts once; keys out of bounds are refused; and 16 posters of
-//! one new key at once make exactly one issue.
+//! one new key at once make exactly one issue, where without the unique
+//! constraint a check-then-insert makes duplicates.
 
 mod common;
 
@@ -237,6 +238,65 @@ async fn sixteen_posters_of_one_new_key_make_exactly_one_issue() {
         ROUNDS as i64
     );
     service.stop().await.unwrap();
+}
+
+/// The race the constraint rules out, shown by the same count: without
+/// it, sixteen posters that each check for the key and insert when it is
+/// missing (one statement each, as a careful collector might write it)
+/// make the story more than once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn check_then_insert_without_the_constraint_makes_duplicates() {
+    const POSTERS: usize = 16;
+    const ROUNDS: usize = 20;
+    let db = TestDb::new().await;
+    db.raw()
+        .await
+        .batch_execute("ALTER TABLE issue DROP CONSTRAINT issue_source_key_key")
+        .await
+        .unwrap();
+    let mut clients = Vec::new();
+    for _ in 0..POSTERS {
+        clients.push(Arc::new(db.raw().await));
+    }
+    let mut duplicated = 0;
+    for round in 0..ROUNDS {
+        let key = format!("race:{round}");
+        let start = Arc::new(Barrier::new(POSTERS));
+        let posters: Vec<_> = clients
+            .iter()
+            .map(|client| {
+                let (client, key, start) = (client.clone(), key.clone(), start.clone());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    client
+                        .execute(
+                            "INSERT INTO issue (title, source_key)
+                             SELECT 'story', $1::text
+                              WHERE NOT EXISTS (SELECT 1 FROM issue WHERE source_key = $1)",
+                            &[&key],
+                        )
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        for poster in posters {
+            poster.await.unwrap();
+        }
+        let made = db
+            .scalar_i64(&format!(
+                "SELECT count(*) FROM issue WHERE source_key = '{key}'"
+            ))
+            .await;
+        assert!(made >= 1);
+        if made > 1 {
+            duplicated += 1;
+        }
+    }
+    assert!(
+        duplicated > 0,
+        "check-then-insert should make some story twice in {ROUNDS} rounds"
+    );
 }
 
 #[tokio::test]
