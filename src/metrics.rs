@@ -64,6 +64,7 @@ const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
 const LOG_LINES_DROPPED: &str = "newsnack_log_lines_dropped_total";
 const ARTICLES_REJECTED: &str = "newsnack_articles_rejected_total";
 const GENERATIONS_CANCELLED: &str = "newsnack_generations_cancelled_total";
+const WAITS_OPEN: &str = "newsnack_waits_open";
 const PRUNED_ROWS: &str = "newsnack_pruned_rows_total";
 const LAST_PRUNE_SECONDS: &str = "newsnack_last_prune_duration_seconds";
 const LAST_PRUNE_AT: &str = "newsnack_last_prune_timestamp_seconds";
@@ -222,6 +223,11 @@ fn describe_and_register() {
         "Generations abandoned because their issue left IN_PROGRESS under them (cancelled, or failed with plain SQL)"
     );
     counter!(GENERATIONS_CANCELLED).increment(0);
+    describe_gauge!(
+        WAITS_OPEN,
+        "Smart waits armed and not yet decided or abandoned"
+    );
+    gauge!(WAITS_OPEN).increment(0.0);
     describe_counter!(
         PRUNED_ROWS,
         "Rows removed by this instance's pruning by the retention settings, by table"
@@ -337,6 +343,12 @@ pub fn llm_tokens(usage: crate::model::llm::TokenUsage) {
 pub fn article_rejected(check: &'static str) {
     let _ = install();
     counter!(ARTICLES_REJECTED, "check" => check).increment(1);
+}
+
+/// A smart wait is armed until the guard is dropped.
+pub fn wait_open() -> GaugeGuard {
+    let _ = install();
+    GaugeGuard::raise(gauge!(WAITS_OPEN))
 }
 
 /// A prune by the retention settings ended after `took`, removing
