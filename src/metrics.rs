@@ -64,6 +64,21 @@ const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
 const LOG_LINES_DROPPED: &str = "newsnack_log_lines_dropped_total";
 const ARTICLES_REJECTED: &str = "newsnack_articles_rejected_total";
 const GENERATIONS_CANCELLED: &str = "newsnack_generations_cancelled_total";
+const WAITS_OPEN: &str = "newsnack_waits_open";
+const PRUNED_ROWS: &str = "newsnack_pruned_rows_total";
+const LAST_PRUNE_SECONDS: &str = "newsnack_last_prune_duration_seconds";
+const LAST_PRUNE_AT: &str = "newsnack_last_prune_timestamp_seconds";
+
+/// The tables a prune removes rows from, as `newsnack_pruned_rows_total`
+/// labels them.
+pub const PRUNED_TABLES: [&str; 6] = [
+    "issue_transition",
+    "pipeline_run",
+    "llm_call",
+    "issue_priority",
+    "ai_article",
+    "issue",
+];
 
 /// The checks an answer can fail, as `newsnack_articles_rejected_total`
 /// labels them (`crate::writer::checks::Check`, whose tests hold the two
@@ -208,6 +223,28 @@ fn describe_and_register() {
         "Generations abandoned because their issue left IN_PROGRESS under them (cancelled, or failed with plain SQL)"
     );
     counter!(GENERATIONS_CANCELLED).increment(0);
+    describe_gauge!(
+        WAITS_OPEN,
+        "Smart waits armed and not yet decided or abandoned"
+    );
+    gauge!(WAITS_OPEN).increment(0.0);
+    describe_counter!(
+        PRUNED_ROWS,
+        "Rows removed by this instance's pruning by the retention settings, by table"
+    );
+    for table in PRUNED_TABLES {
+        counter!(PRUNED_ROWS, "table" => table).increment(0);
+    }
+    describe_gauge!(
+        LAST_PRUNE_SECONDS,
+        "How long this instance's last prune took"
+    );
+    describe_gauge!(
+        LAST_PRUNE_AT,
+        "When this instance's last prune ended (Unix seconds; 0: never)"
+    );
+    gauge!(LAST_PRUNE_SECONDS).increment(0.0);
+    gauge!(LAST_PRUNE_AT).increment(0.0);
     counter!(UNVERIFIED_NOTIFICATIONS).increment(0);
     counter!(COMPLETIONS_DEFERRED).increment(0);
     counter!(AUTH_REJECTIONS).increment(0);
@@ -306,6 +343,26 @@ pub fn llm_tokens(usage: crate::model::llm::TokenUsage) {
 pub fn article_rejected(check: &'static str) {
     let _ = install();
     counter!(ARTICLES_REJECTED, "check" => check).increment(1);
+}
+
+/// A smart wait is armed until the guard is dropped.
+pub fn wait_open() -> GaugeGuard {
+    let _ = install();
+    GaugeGuard::raise(gauge!(WAITS_OPEN))
+}
+
+/// A prune by the retention settings ended after `took`, removing
+/// `removed` rows per table (labels of [`PRUNED_TABLES`]).
+pub fn pruned(removed: &[(&'static str, i64)], took: Duration) {
+    let _ = install();
+    for &(table, rows) in removed {
+        counter!(PRUNED_ROWS, "table" => table).increment(rows.max(0) as u64);
+    }
+    gauge!(LAST_PRUNE_SECONDS).set(took.as_secs_f64());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    gauge!(LAST_PRUNE_AT).set(now.as_secs_f64());
 }
 
 /// A generation was abandoned: its issue left `IN_PROGRESS` under it.

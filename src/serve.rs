@@ -274,12 +274,39 @@ pub async fn database(
     Ok((database, url, Some(cluster)))
 }
 
+/// Raises this process's soft limit of open files to its hard limit: each
+/// open wait or SSE client is a socket, and the usual soft limit (1024)
+/// would refuse connections long before memory or the hard limit does.
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on a local struct of the right type.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= limit.rlim_max
+        {
+            return;
+        }
+        let soft = limit.rlim_cur;
+        limit.rlim_cur = limit.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+            tracing::debug!(
+                from = soft,
+                to = limit.rlim_max,
+                "raised the open files limit"
+            );
+        }
+    }
+}
+
 /// Starts every part of the service. Returns once the API is listening.
 pub async fn start(
     options: ServeOptions,
     writer: SharedWriter,
 ) -> Result<RunningService, ServeError> {
     http::auth::check_configurable(options.api_token.as_deref())?;
+    raise_open_files_limit();
     let shutdown = CancellationToken::new();
     let (database, database_url, embedded) = database(
         options.database_url.as_deref(),

@@ -601,6 +601,38 @@ async fn serve_prunes_by_itself_on_one_instance() {
     let writer = Arc::new(OfflineWriter) as SharedWriter;
     let first = db.serve("pruner-a", writer.clone()).await;
     until_sql_polled(&db, 30, "SELECT count(*) = 5 FROM issue_transition").await;
+    // The prune shows in the metrics: the rows per table and when it ended.
+    let metric = |text: &str, series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    within(30, "the prune's metrics", async {
+        loop {
+            let text = newsnack::metrics::render().unwrap();
+            if metric(&text, "newsnack_last_prune_timestamp_seconds ") > 0.0 {
+                return text;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let text = newsnack::metrics::render().unwrap();
+    assert!(
+        metric(
+            &text,
+            "newsnack_pruned_rows_total{table=\"issue_transition\"} "
+        ) >= 5.0,
+        "{text}"
+    );
+    assert!(
+        text.contains("newsnack_pruned_rows_total{table=\"issue\"} "),
+        "{text}"
+    );
+    assert!(
+        text.contains("newsnack_last_prune_duration_seconds "),
+        "{text}"
+    );
     let second = db.serve("pruner-b", writer).await;
     let holders = || async {
         let rows = sql

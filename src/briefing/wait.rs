@@ -205,6 +205,8 @@ pub struct ArmedWait {
     stream: TransitionStream,
     pool: DbPool,
     started: Instant,
+    /// Counts the wait in `newsnack_waits_open` while it lives.
+    _open: crate::metrics::GaugeGuard,
 }
 
 impl ArmedWait {
@@ -221,6 +223,7 @@ impl ArmedWait {
             pool: hub.pool().clone(),
             request,
             started,
+            _open: crate::metrics::wait_open(),
         })
     }
 

@@ -65,6 +65,18 @@ impl PruneReport {
             + self.ai_article
             + self.issue
     }
+
+    /// Rows per table, by the table's name.
+    pub fn by_table(&self) -> [(&'static str, i64); 6] {
+        [
+            ("issue_transition", self.issue_transition),
+            ("pipeline_run", self.pipeline_run),
+            ("llm_call", self.llm_call),
+            ("issue_priority", self.issue_priority),
+            ("ai_article", self.ai_article),
+            ("issue", self.issue),
+        ]
+    }
 }
 
 /// The issues past `issue_retention_days` (`$1` days, `$2` max attempts).

@@ -77,7 +77,9 @@ impl Pruner {
 
     async fn prune(&self, held: &AdvisoryLock) -> Result<(), crate::db::DbError> {
         let retention = self.settings.get().await?.retention();
+        let started = std::time::Instant::now();
         let report = retention::prune(held.client(), &retention, false).await?;
+        crate::metrics::pruned(&report.by_table(), started.elapsed());
         if report.total() > 0 {
             tracing::info!(?report, "pruned by the retention settings");
         }
