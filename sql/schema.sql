@@ -56,6 +56,13 @@ ALTER TABLE @extschema@.issue
 CREATE INDEX issue_collected_at_idx ON @extschema@.issue (collected_at DESC);
 CREATE INDEX issue_lease_until_idx ON @extschema@.issue (lease_until) WHERE lease_until IS NOT NULL;
 
+-- Counts per status, kept at commit by the triggers below (migration 27):
+-- a count is the sum of its status's rows.
+CREATE TABLE @extschema@.issue_status_delta (
+    status text NOT NULL,
+    n      bigint NOT NULL
+);
+
 -- Fencing tokens, drawn by every claim.
 CREATE SEQUENCE @extschema@.issue_claim_id_seq AS bigint;
 
@@ -1019,6 +1026,67 @@ BEGIN
 END
 $$;
 
+-- Counts per status (migration 27).
+
+-- Inserts and deletes append one row per status per statement (a bulk
+-- INSERT ... SELECT costs one aggregate); a status change appends two.
+CREATE FUNCTION @extschema@.issue_status_count_inserted() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO @extschema@.issue_status_delta (status, n)
+        SELECT processing_status, count(*) FROM added GROUP BY processing_status;
+    RETURN NULL;
+END
+$$;
+
+CREATE FUNCTION @extschema@.issue_status_count_deleted() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO @extschema@.issue_status_delta (status, n)
+        SELECT processing_status, -count(*) FROM removed GROUP BY processing_status;
+    RETURN NULL;
+END
+$$;
+
+CREATE FUNCTION @extschema@.issue_status_count_changed() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO @extschema@.issue_status_delta (status, n)
+        VALUES (OLD.processing_status, -1), (NEW.processing_status, 1);
+    RETURN NULL;
+END
+$$;
+
+-- TRUNCATE (not DELETE) so that a fold committing meanwhile leaves nothing
+-- behind: it waits for the fold and removes every row.
+CREATE FUNCTION @extschema@.issue_status_count_truncated() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    TRUNCATE @extschema@.issue_status_delta;
+    RETURN NULL;
+END
+$$;
+
+-- Folds the deltas into one row per status once there are more than
+-- `above`; answers how many rows it folded (0 when it left them). Exact
+-- under concurrency: it adds up just the rows its DELETE removed, and a
+-- concurrent fold skips those.
+CREATE FUNCTION @extschema@.newsnack_fold_status_counts(above integer) RETURNS bigint LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    folded bigint;
+BEGIN
+    IF (SELECT count(*) FROM (SELECT 1 FROM @extschema@.issue_status_delta LIMIT above + 1) r) <= above THEN
+        RETURN 0;
+    END IF;
+    WITH gone AS (DELETE FROM @extschema@.issue_status_delta RETURNING status, n),
+         kept AS (INSERT INTO @extschema@.issue_status_delta (status, n)
+                      SELECT status, sum(n) FROM gone GROUP BY status HAVING sum(n) <> 0)
+    SELECT count(*) INTO folded FROM gone;
+    RETURN folded;
+END
+$$;
+
 -- Triggers ----------------------------------------------------------------
 
 CREATE TRIGGER issue_before_insert BEFORE INSERT ON @extschema@.issue
@@ -1037,6 +1105,17 @@ CREATE TRIGGER issue_deleted AFTER DELETE ON @extschema@.issue
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.issue_announce_deletion();
 CREATE TRIGGER issue_truncated AFTER TRUNCATE ON @extschema@.issue
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.issue_announce_removal();
+CREATE TRIGGER issue_status_count_on_insert AFTER INSERT ON @extschema@.issue
+    REFERENCING NEW TABLE AS added
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.issue_status_count_inserted();
+CREATE TRIGGER issue_status_count_on_delete AFTER DELETE ON @extschema@.issue
+    REFERENCING OLD TABLE AS removed
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.issue_status_count_deleted();
+CREATE TRIGGER issue_status_count_on_update AFTER UPDATE ON @extschema@.issue
+    FOR EACH ROW WHEN (OLD.processing_status IS DISTINCT FROM NEW.processing_status)
+    EXECUTE FUNCTION @extschema@.issue_status_count_changed();
+CREATE TRIGGER issue_status_count_on_truncate AFTER TRUNCATE ON @extschema@.issue
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.issue_status_count_truncated();
 
 CREATE TRIGGER setting_validate BEFORE INSERT OR UPDATE ON @extschema@.setting
     FOR EACH ROW EXECUTE FUNCTION @extschema@.setting_validate();
@@ -1053,6 +1132,11 @@ REVOKE EXECUTE ON FUNCTION
     @extschema@.issue_transition_record(),
     @extschema@.issue_announce_removal(),
     @extschema@.issue_announce_deletion(),
+    @extschema@.issue_status_count_inserted(),
+    @extschema@.issue_status_count_deleted(),
+    @extschema@.issue_status_count_changed(),
+    @extschema@.issue_status_count_truncated(),
+    @extschema@.newsnack_fold_status_counts(integer),
     @extschema@.setting_validate(),
     @extschema@.setting_announce(),
     @extschema@.setting_announce_truncation(),

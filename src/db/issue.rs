@@ -294,12 +294,29 @@ pub async fn get_issues(client: &impl Sql, ids: &[i64]) -> Result<Vec<IssueView>
         .collect()
 }
 
-/// How many issues are in each status (every status listed, zeros included).
+/// Folds the appended count deltas into one row per status once there are
+/// more than `above` of them (`newsnack_fold_status_counts`, migration 27);
+/// answers how many rows were folded.
+pub async fn fold_status_counts(client: &impl Sql, above: i32) -> Result<i64, DbError> {
+    let row = client
+        .sql()
+        .query_typed_one(
+            "SELECT newsnack_fold_status_counts($1)",
+            &[(&above, Type::INT4)],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// How many issues are in each status (every status listed, zeros included),
+/// exact: the sum of the deltas the triggers of migration 27 append at
+/// every change, so its cost follows the deltas not yet folded, not the
+/// number of issues.
 pub async fn count_by_status(client: &impl Sql) -> Result<Vec<(Status, i64)>, DbError> {
     let rows = client
         .sql()
         .query_typed(
-            "SELECT processing_status, count(*) FROM issue GROUP BY processing_status",
+            "SELECT status, sum(n)::bigint FROM issue_status_delta GROUP BY status",
             &[],
         )
         .await?;

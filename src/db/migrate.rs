@@ -137,6 +137,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "answer settings",
         sql: include_str!("../../sql/0024_answer_settings.sql"),
     },
+    Migration {
+        version: 27,
+        name: "flat costs",
+        sql: include_str!("../../sql/0027_flat_costs.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -99,10 +99,16 @@ impl LeaseReaper {
     }
 }
 
+/// How many count deltas may pile up before a tick folds them.
+const FOLD_ABOVE: i32 = 256;
+
 /// Reaps on the lock's own session: only while the lock is held, and
 /// whatever the pool's load (a saturated pool must not leave the lock
 /// held by an instance that cannot reap).
 async fn reap(held: &AdvisoryLock) -> Result<Vec<i64>, crate::db::DbError> {
+    // The counts' deltas are folded here too: one instance at a time, and
+    // often enough that reading the counts stays a sum over a few rows.
+    issue::fold_status_counts(held.client(), FOLD_ABOVE).await?;
     let mut all = Vec::new();
     loop {
         let batch = issue::reap_expired(held.client(), 500).await?;
