@@ -69,6 +69,10 @@ BEGIN
 END
 $$;
 
+-- The retry scheduler's start reads the FAILED issues: an index of just
+-- those, so the DONE history is not scanned.
+CREATE INDEX issue_failed_idx ON @extschema@.issue (id) WHERE processing_status = 'FAILED';
+
 -- The counts of the issues already there, with writers held off while the
 -- triggers arrive.
 LOCK TABLE @extschema@.issue IN SHARE ROW EXCLUSIVE MODE;

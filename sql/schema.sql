@@ -55,6 +55,8 @@ ALTER TABLE @extschema@.issue
 -- Top-K selection scans recent issues; the reaper scans live leases only.
 CREATE INDEX issue_collected_at_idx ON @extschema@.issue (collected_at DESC);
 CREATE INDEX issue_lease_until_idx ON @extschema@.issue (lease_until) WHERE lease_until IS NOT NULL;
+-- The retry scheduler's start reads the FAILED issues only (migration 27).
+CREATE INDEX issue_failed_idx ON @extschema@.issue (id) WHERE processing_status = 'FAILED';
 
 -- Counts per status, kept at commit by the triggers below (migration 27):
 -- a count is the sum of its status's rows.
