@@ -61,9 +61,9 @@ async fn migrate_twice_and_concurrently_leaves_one_correct_schema() {
         );
         assert_eq!(
             db.scalar_i64("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'issue'::regclass AND NOT tgisinternal").await,
-            // Before insert and update, the log's two, and the removal
-            // notices' two.
-            6
+            // Before insert and update, the log's two, the removal
+            // notices' two, and the counts per status' four.
+            10
         );
         // Every setting, the six of migration 17, the two of
         // migration 23 and the eight of migration 24 included.
