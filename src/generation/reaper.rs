@@ -6,9 +6,10 @@
 //! reason `lease expired` (a guarded compare-and-set, see
 //! [`crate::db::issue::reap_expired`]), on that same session, so the
 //! instance holding the lock can reap however loaded its pool is; the
-//! retry scheduler then retries them. If the holder dies, its session
-//! ends, the lock is free, and another instance takes over at its next
-//! tick. The lock itself (its session, pings, release, the metrics gauge)
+//! retry scheduler then retries them. The same tick folds the deltas of
+//! the counts per status ([`crate::db::issue::fold_status_counts`]). If
+//! the holder dies, its session ends, the lock is free, and another
+//! instance takes over at its next tick. The lock itself (its session, pings, release, the metrics gauge)
 //! is [`AdvisoryLock`]'s; this file decides only when to take it.
 
 use std::sync::Arc;
