@@ -15,9 +15,9 @@
 //!   last updated longer ago than that. Briefings are never deleted; each
 //!   keeps its own text.
 //!
-//! Every batch is one statement of its own transaction: a few hundred rows,
-//! locked briefly. No batch takes the log's lock: deleting old log rows
-//! does not touch the rows the transition trigger appends, so claims and
+//! Every batch is one statement of its own transaction: a hundred rows,
+//! locked briefly, with a rest after it. No batch takes the log's lock:
+//! deleting old log rows does not touch the rows the transition trigger appends, so claims and
 //! transitions never wait on a prune. Issues are deleted `FOR UPDATE SKIP
 //! LOCKED`, rechecked under the lock, so an issue a claim or a status
 //! change holds is left for the next prune; their deletion is announced
@@ -28,8 +28,19 @@ use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
 
-/// Rows per batch.
-pub const BATCH: i64 = 500;
+/// Rows per batch: a batch of 100 log rows takes about 2.5 ms, short
+/// enough that a claim arriving meanwhile hardly notices it.
+pub const BATCH: i64 = 100;
+
+/// After each batch the prune rests this many times as long as the batch
+/// took, so it uses at most a quarter of a core: claims running meanwhile
+/// keep their latency (docs/performance.md, "prune").
+pub const REST_PER_BATCH: u32 = 3;
+
+/// Rests after a batch that took `took` (see [`REST_PER_BATCH`]).
+async fn rest_after(took: std::time::Duration) {
+    tokio::time::sleep(took * REST_PER_BATCH).await;
+}
 
 /// What to keep, from the settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,6 +212,7 @@ async fn prune_issues(
     );
     let mut after = 0i64;
     loop {
+        let started = std::time::Instant::now();
         let row = client
             .sql()
             .query_typed_one(
@@ -221,6 +233,7 @@ async fn prune_issues(
             Some(last) if seen == BATCH => after = last,
             _ => return Ok(()),
         }
+        rest_after(started.elapsed()).await;
     }
 }
 
@@ -291,6 +304,7 @@ async fn batches(
 ) -> Result<i64, DbError> {
     let mut total = 0;
     loop {
+        let started = std::time::Instant::now();
         let n = client
             .sql()
             .execute_typed(
@@ -302,5 +316,6 @@ async fn batches(
         if n < BATCH {
             return Ok(total);
         }
+        rest_after(started.elapsed()).await;
     }
 }
