@@ -225,6 +225,13 @@ CREATE TABLE @extschema@.llm_budget (
     paused_at    timestamptz
 );
 
+-- The tokens each day spent (the day in the `timezone` setting), every
+-- instance and provider together; a year of days is kept.
+CREATE TABLE @extschema@.llm_token_day (
+    day    date PRIMARY KEY,
+    tokens bigint NOT NULL CONSTRAINT llm_token_day_tokens_valid CHECK (tokens >= 0)
+);
+
 -- The key that signs transition notifications (32 random bytes), readable
 -- by the owner only.
 CREATE TABLE @extschema@.notification_key (
@@ -849,19 +856,23 @@ $$;
 -- docs/sql.md, "The LLM budget").
 -- `p_issue_ids`, `p_claim_ids`, `p_priorities`: calls to queue (a NULL
 -- priority: the one the issue was last asked for at, else briefing).
--- `p_finished`: the holder's calls that ended (or will never run).
+-- `p_finished`: the holder's calls that ended (or will never run);
+-- `p_tokens`: what they spent, counted to today in `llm_token_day`.
 -- `p_pause_s`, `p_pause_reason`: a pause to start (NULL: none).
 -- `p_leaving`: the holder goes away, with all its calls.
 -- Answers the ids of the calls queued (in input order), every call of the
 -- holder granted and not finished, how many calls it holds in all, the
--- pause if one is on, and when the caller should ask again if some of its
--- calls wait for something time will bring.
+-- pause if one is on, when the caller should ask again if some of its
+-- calls wait for something time will bring, the day's tokens, and which
+-- calls the day's budget holds (`feed` once the day's tokens reach the
+-- budget less the briefing reserve, `all` once they reach the budget).
 CREATE FUNCTION @extschema@.newsnack_llm_exchange(
     p_holder text, p_instance text, p_lease_s float8,
     p_issue_ids bigint[], p_claim_ids bigint[], p_priorities text[],
-    p_finished bigint[], p_pause_s float8, p_pause_reason text, p_leaving boolean,
+    p_finished bigint[], p_tokens bigint, p_pause_s float8, p_pause_reason text, p_leaving boolean,
     OUT queued bigint[], OUT granted bigint[], OUT holding bigint,
-    OUT paused_for_s float8, OUT pause_reason text, OUT paused_by text, OUT ask_again_in_s float8)
+    OUT paused_for_s float8, OUT pause_reason text, OUT paused_by text, OUT ask_again_in_s float8,
+    OUT tokens_today bigint, OUT held text)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     budget @extschema@.llm_budget;
@@ -874,6 +885,11 @@ DECLARE
     started integer := 0;
     oldest_start timestamptz;
     chosen bigint[] := '{}';
+    zone text;
+    today date;
+    day_budget bigint;
+    reserve bigint;
+    next_day_in_s float8;
 BEGIN
     -- A class asked for explicitly is remembered for the issue's retries.
     INSERT INTO @extschema@.issue_priority AS p (issue_id, priority)
@@ -912,6 +928,28 @@ BEGIN
     per_minute := COALESCE(
         (SELECT value FROM @extschema@.setting WHERE key = 'llm_requests_per_minute'),
         (SELECT default_value FROM @extschema@.setting_spec WHERE key = 'llm_requests_per_minute'), '0')::integer;
+    day_budget := COALESCE(
+        (SELECT value FROM @extschema@.setting WHERE key = 'llm_daily_token_budget'),
+        (SELECT default_value FROM @extschema@.setting_spec WHERE key = 'llm_daily_token_budget'), '0')::bigint;
+    reserve := COALESCE(
+        (SELECT value FROM @extschema@.setting WHERE key = 'llm_briefing_reserve_tokens'),
+        (SELECT default_value FROM @extschema@.setting_spec WHERE key = 'llm_briefing_reserve_tokens'), '0')::bigint;
+    zone := COALESCE(
+        (SELECT value FROM @extschema@.setting WHERE key = 'timezone'),
+        (SELECT default_value FROM @extschema@.setting_spec WHERE key = 'timezone'), 'UTC');
+    today := (t AT TIME ZONE zone)::date;
+    next_day_in_s := extract(epoch FROM ((today + 1)::timestamp AT TIME ZONE zone) - t);
+
+    -- The day's tokens: what the holder's finished calls spent counts to
+    -- the day they are reported on. A year of days is kept.
+    IF p_tokens > 0 THEN
+        INSERT INTO @extschema@.llm_token_day AS d (day, tokens) VALUES (today, p_tokens)
+        ON CONFLICT (day) DO UPDATE SET tokens = d.tokens + EXCLUDED.tokens;
+        DELETE FROM @extschema@.llm_token_day WHERE day < today - 400;
+    END IF;
+    tokens_today := COALESCE((SELECT tokens FROM @extschema@.llm_token_day WHERE day = today), 0);
+    held := CASE WHEN day_budget > 0 AND tokens_today >= day_budget THEN 'all'
+                 WHEN day_budget > 0 AND tokens_today >= day_budget - reserve THEN 'feed' END;
 
     IF NOT p_leaving AND cardinality(p_finished) > 0 THEN
         IF per_minute > 0 THEN
@@ -954,7 +992,7 @@ BEGIN
         paused_for_s := extract(epoch FROM budget.paused_until - t);
         pause_reason := budget.pause_reason;
         paused_by := budget.paused_by;
-    ELSE
+    ELSIF held IS DISTINCT FROM 'all' THEN
         SELECT count(*) INTO in_flight FROM @extschema@.llm_call
          WHERE granted_at IS NOT NULL AND finished_at IS NULL;
         room := max_in_flight - in_flight;
@@ -976,6 +1014,7 @@ BEGIN
                  CROSS JOIN LATERAL (
                        SELECT c.id, c.priority, c.claim_id FROM @extschema@.llm_call c
                         WHERE c.holder = r.holder AND c.granted_at IS NULL
+                          AND (held IS NULL OR c.priority = 'briefing')
                         ORDER BY (c.priority = 'feed'), c.claim_id
                         LIMIT greatest(r.free, 0)) w
                  ORDER BY (w.priority = 'feed'), w.claim_id
@@ -1013,7 +1052,12 @@ BEGIN
               WHERE h.holder <> p_holder
                 AND EXISTS (SELECT 1 FROM @extschema@.llm_call c
                              WHERE c.holder = h.holder AND c.granted_at IS NOT NULL
-                               AND c.finished_at IS NULL)));
+                               AND c.finished_at IS NULL)),
+            -- Calls the day's budget holds wait for the next day.
+            CASE WHEN held = 'all' OR (held = 'feed' AND EXISTS (
+                          SELECT 1 FROM @extschema@.llm_call
+                           WHERE holder = p_holder AND granted_at IS NULL AND priority = 'feed'))
+                 THEN next_day_in_s END);
     END IF;
 END
 $$;

@@ -27,6 +27,9 @@
 //! | `newsnack_llm_paused` | gauge | | 1 while a rate limit's pause holds every instance's LLM calls, as this process last saw it |
 //! | `newsnack_llm_paused_until_seconds` | gauge | | when the last pause this process saw ends (Unix time) |
 //! | `newsnack_llm_pauses_total` | counter | | pauses of every instance's LLM calls this process saw begin (a call, its own or another instance's, met a 429 or 503 with `Retry-After`) |
+//! | `newsnack_llm_tokens_today` | gauge | | tokens spent today (the day in `timezone`), every instance and provider together, as the shared budget counts them; read from the database at each scrape |
+//! | `newsnack_llm_daily_token_budget` | gauge | | `llm_daily_token_budget` (0: unlimited), read at each scrape |
+//! | `newsnack_llm_held` | gauge | `class` = `feed`/`briefing` | 1 while the day's token budget holds that class's calls until the next day, read at each scrape |
 //! | `newsnack_log_lines_dropped_total` | counter | | log and status lines lost because their destination failed (a closed pipe, a full disk; see [`crate::logging`]) |
 //!
 //! Gauges that count something alive are driven by [`GaugeGuard`]s: the
@@ -58,6 +61,9 @@ const SSE_CLIENTS: &str = "newsnack_sse_clients";
 const AUTH_REJECTIONS: &str = "newsnack_auth_rejections_total";
 const LLM_TOKENS: &str = "newsnack_llm_tokens_total";
 const LLM_CALLS_WAITING: &str = "newsnack_llm_calls_waiting";
+const LLM_TOKENS_TODAY: &str = "newsnack_llm_tokens_today";
+const LLM_DAILY_TOKEN_BUDGET: &str = "newsnack_llm_daily_token_budget";
+const LLM_HELD: &str = "newsnack_llm_held";
 const LLM_PAUSED: &str = "newsnack_llm_paused";
 const LLM_PAUSED_UNTIL: &str = "newsnack_llm_paused_until_seconds";
 const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
@@ -199,6 +205,18 @@ fn describe_and_register() {
     for kind in ["prompt", "completion"] {
         counter!(LLM_TOKENS, "kind" => kind).increment(0);
     }
+    describe_gauge!(
+        LLM_TOKENS_TODAY,
+        "Tokens spent today (the day in the timezone setting), every instance together"
+    );
+    describe_gauge!(
+        LLM_DAILY_TOKEN_BUDGET,
+        "The llm_daily_token_budget setting (0: unlimited)"
+    );
+    describe_gauge!(
+        LLM_HELD,
+        "1 while the day's token budget holds this class's LLM calls until the next day"
+    );
     counter!(LLM_PAUSES).increment(0);
     gauge!(LLM_CALLS_WAITING).increment(0.0);
     gauge!(LLM_PAUSED).set(0.0);
@@ -389,6 +407,18 @@ pub fn llm_paused(remaining: Duration) {
     counter!(LLM_PAUSES).increment(1);
     gauge!(LLM_PAUSED).set(1.0);
     gauge!(LLM_PAUSED_UNTIL).set(until);
+}
+
+/// The day's tokens and what the day's budget holds, as the database said
+/// at this scrape.
+pub fn llm_day(day: &crate::db::llm_budget::DayView) {
+    use crate::db::llm_budget::Held;
+    let _ = install();
+    gauge!(LLM_TOKENS_TODAY).set(day.tokens as f64);
+    gauge!(LLM_DAILY_TOKEN_BUDGET).set(day.budget as f64);
+    let held = |class| f64::from(u8::from(class));
+    gauge!(LLM_HELD, "class" => "feed").set(held(day.held.is_some()));
+    gauge!(LLM_HELD, "class" => "briefing").set(held(day.held == Some(Held::All)));
 }
 
 /// The pause seen is over.

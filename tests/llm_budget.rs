@@ -115,6 +115,7 @@ async fn exchange_as(
             lease: Duration::from_secs(60),
             queue: &queue,
             finished,
+            tokens: 0,
             pause: None,
             leaving: false,
         },
@@ -230,6 +231,7 @@ async fn a_dead_holders_share_comes_back_with_its_lease() {
         lease: Duration::from_millis(200),
         queue: &queue,
         finished: &[],
+        tokens: 0,
         pause: None,
         leaving: false,
     };
@@ -271,6 +273,7 @@ async fn a_pause_holds_every_grant() {
         lease: Duration::from_secs(60),
         queue: &[],
         finished: &[],
+        tokens: 0,
         pause: Some((pause, "rate limited (HTTP 429 Too Many Requests)")),
         leaving: false,
     };

@@ -1,5 +1,6 @@
-//! Queries on the LLM budget all instances share (migration 17): the one
-//! exchange a holder has with it, and what the dashboard shows of it.
+//! Queries on the LLM budget all instances share (migrations 17 and 28):
+//! the one exchange a holder has with it, and what the dashboard and the
+//! metrics show of it, the day's tokens included.
 
 use std::time::Duration;
 
@@ -32,6 +33,8 @@ pub struct Exchange<'a> {
     pub queue: &'a [CallToQueue],
     /// The holder's calls that ended, or will never run.
     pub finished: &'a [i64],
+    /// The tokens those calls spent, counted to today.
+    pub tokens: i64,
     /// A pause every instance should keep, and why.
     pub pause: Option<(Duration, &'a str)>,
     /// The holder goes away with all its calls.
@@ -60,8 +63,42 @@ pub struct ExchangeAnswer {
     pub pause: Option<PauseInForce>,
     /// When to ask again, if some of the holder's calls wait for what time
     /// brings (a pause ending, the minute's window moving on, another
-    /// holder's lease running out).
+    /// holder's lease running out, the next day).
     pub ask_again_in: Option<Duration>,
+    /// The day's tokens, every instance together, this exchange's included.
+    pub tokens_today: i64,
+    /// Which calls the day's budget holds until the next day.
+    pub held: Option<Held>,
+}
+
+/// Which calls the day's token budget holds (`llm_daily_token_budget`,
+/// `llm_briefing_reserve_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Held {
+    /// The day's tokens reached the budget less the briefing reserve:
+    /// feed calls wait for the next day, briefing calls go on.
+    Feed,
+    /// The day's tokens reached the budget: every call waits.
+    All,
+}
+
+impl Held {
+    fn parse(text: Option<&str>) -> Option<Held> {
+        match text? {
+            "feed" => Some(Held::Feed),
+            "all" => Some(Held::All),
+            _ => None,
+        }
+    }
+
+    /// What is held, for people: `feed` or `all calls`.
+    pub fn what(self) -> &'static str {
+        match self {
+            Held::Feed => "feed",
+            Held::All => "all calls",
+        }
+    }
 }
 
 /// One exchange (`newsnack_llm_exchange`, one statement): renews the
@@ -85,8 +122,9 @@ pub async fn exchange(
     let row = client
         .sql()
         .query_typed_one(
-            "SELECT queued, granted, holding, paused_for_s, pause_reason, paused_by, ask_again_in_s
-               FROM newsnack_llm_exchange($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            "SELECT queued, granted, holding, paused_for_s, pause_reason, paused_by, ask_again_in_s,
+                    tokens_today, held
+               FROM newsnack_llm_exchange($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             &[
                 (&exchange.holder, Type::TEXT),
                 (&exchange.instance, Type::TEXT),
@@ -95,6 +133,7 @@ pub async fn exchange(
                 (&claim_ids, Type::INT8_ARRAY),
                 (&priorities, Type::TEXT_ARRAY),
                 (&exchange.finished, Type::INT8_ARRAY),
+                (&exchange.tokens, Type::INT8),
                 (&pause_s, Type::FLOAT8),
                 (&pause_reason, Type::TEXT),
                 (&exchange.leaving, Type::BOOL),
@@ -115,6 +154,8 @@ pub async fn exchange(
             by: row.get(5),
         }),
         ask_again_in: seconds(6),
+        tokens_today: row.get::<_, Option<i64>>(7).unwrap_or_default(),
+        held: Held::parse(row.get(8)),
     })
 }
 
@@ -158,6 +199,66 @@ pub struct BudgetView {
     pub tokens_today: Tokens,
     /// Tokens of the latest briefing's articles.
     pub tokens_latest_briefing: Tokens,
+    /// The day's token budget and what it holds.
+    pub day: DayView,
+}
+
+/// The day's tokens against the day's budget.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DayView {
+    /// Tokens spent today (the day in `timezone`), every instance and
+    /// provider together, as the budget counted them.
+    pub tokens: i64,
+    /// `llm_daily_token_budget` (0: unlimited).
+    pub budget: i64,
+    /// `llm_briefing_reserve_tokens`.
+    pub briefing_reserve: i64,
+    /// `timezone`: where the day begins.
+    pub timezone: String,
+    pub held: Option<Held>,
+    /// What is held and until when, for people ("feed held until 00:00
+    /// Asia/Seoul"); `None` when nothing is.
+    pub state: Option<String>,
+}
+
+/// The day's count and what the budget holds, as of `client`'s snapshot:
+/// the exchange's own rule (migration 28), read.
+pub async fn day(client: &impl Sql) -> Result<DayView, DbError> {
+    let row = client
+        .sql()
+        .query_typed_one(
+            "WITH s AS (
+                 SELECT (SELECT COALESCE(s.value, sp.default_value)
+                           FROM setting_spec sp LEFT JOIN setting s USING (key)
+                          WHERE sp.key = 'llm_daily_token_budget')::bigint AS budget,
+                        (SELECT COALESCE(s.value, sp.default_value)
+                           FROM setting_spec sp LEFT JOIN setting s USING (key)
+                          WHERE sp.key = 'llm_briefing_reserve_tokens')::bigint AS reserve,
+                        (SELECT COALESCE(s.value, sp.default_value)
+                           FROM setting_spec sp LEFT JOIN setting s USING (key)
+                          WHERE sp.key = 'timezone') AS zone
+             )
+             SELECT COALESCE(d.tokens, 0), s.budget, s.reserve, s.zone
+               FROM s LEFT JOIN llm_token_day d ON d.day = (clock_timestamp() AT TIME ZONE s.zone)::date",
+            &[],
+        )
+        .await?;
+    let (tokens, budget, reserve, timezone): (i64, i64, i64, String) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let held = match budget {
+        0 => None,
+        _ if tokens >= budget => Some(Held::All),
+        _ if tokens >= budget - reserve => Some(Held::Feed),
+        _ => None,
+    };
+    Ok(DayView {
+        tokens,
+        budget,
+        briefing_reserve: reserve,
+        state: held.map(|h| format!("{} held until 00:00 {timezone}", h.what())),
+        timezone,
+        held,
+    })
 }
 
 /// Reads the budget, as of `client`'s snapshot; "today" starts at
@@ -195,6 +296,7 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
         )
         .await?;
     let until: Option<OffsetDateTime> = row.get(7);
+    let day = day(client).await?;
     Ok(BudgetView {
         max_in_flight: row.get(0),
         requests_per_minute: row.get(1),
@@ -217,5 +319,6 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
             prompt: row.get(13),
             completion: row.get(14),
         },
+        day,
     })
 }

@@ -142,6 +142,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "flat costs",
         sql: include_str!("../../sql/0027_flat_costs.sql"),
     },
+    Migration {
+        version: 28,
+        name: "day budget",
+        sql: include_str!("../../sql/0028_day_budget.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

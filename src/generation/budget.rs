@@ -5,7 +5,10 @@
 //! `llm_requests_per_minute` starts across the cluster, at most
 //! `generation_concurrency` per process, briefing calls before feed calls
 //! (while one waits anywhere, no feed call starts), the oldest claim first
-//! within a class, and none at all while a rate limit's pause is on.
+//! within a class, none at all while a rate limit's pause is on, and none
+//! the day's token budget holds (migration 28): each call's tokens go back
+//! with its slot ([`CallSlot::spent`]) and count to the day, every
+//! instance's together.
 //!
 //! One [`BudgetAgent`] per process talks to the budget for all of the
 //! process's calls, one exchange (one statement) at a time: what queued up
@@ -28,7 +31,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::db::issue::ClaimedIssue;
-use crate::db::llm_budget::{self, CallToQueue, Exchange, ExchangeAnswer, PauseInForce};
+use crate::db::llm_budget::{self, CallToQueue, Exchange, ExchangeAnswer, Held, PauseInForce};
 use crate::db::{DbError, DbPool};
 use crate::events::hub::EventHub;
 use crate::model::llm::Priority;
@@ -48,9 +51,11 @@ enum Request {
     },
     /// The call of this claim (issue, claim id) is no longer wanted.
     Withdraw { claim: (i64, i64) },
-    /// A granted call ended; with a pause every instance should keep.
+    /// A granted call ended, having spent `tokens`; with a pause every
+    /// instance should keep.
     Finished {
         id: i64,
+        tokens: i64,
         pause: Option<(Duration, String)>,
     },
     /// No call is granted here any more; the calls waiting are withdrawn.
@@ -66,14 +71,23 @@ pub struct LlmBudget {
 }
 
 /// A granted call: hold it while the LLM answers. Dropping it gives the
-/// slot back; [`CallSlot::finish_pausing`] also pauses every instance.
+/// slot back with the tokens it spent; [`CallSlot::finish_pausing`] also
+/// pauses every instance.
 pub struct CallSlot {
     id: i64,
     requests: mpsc::UnboundedSender<Request>,
+    tokens: i64,
     pause: Option<(Duration, String)>,
 }
 
 impl CallSlot {
+    /// What the call has spent so far, in tokens: counted to the day's
+    /// budget when the slot goes back (a call dropped midway counts what
+    /// was set last).
+    pub fn spent(&mut self, tokens: i64) {
+        self.tokens = tokens.max(0);
+    }
+
     /// Gives the slot back and pauses every instance's calls for `pause`
     /// (the LLM answered 429 or 503 with `Retry-After`), for `reason`.
     pub fn finish_pausing(mut self, pause: Duration, reason: String) {
@@ -85,6 +99,7 @@ impl Drop for CallSlot {
     fn drop(&mut self) {
         let _ = self.requests.send(Request::Finished {
             id: self.id,
+            tokens: self.tokens,
             pause: self.pause.take(),
         });
     }
@@ -155,6 +170,7 @@ impl LlmBudget {
         Some(CallSlot {
             id,
             requests: self.requests.clone(),
+            tokens: 0,
             pause: None,
         })
     }
@@ -195,6 +211,8 @@ struct Calls {
     running: HashSet<i64>,
     /// Ended, or never to run: to give back.
     finished: Vec<i64>,
+    /// What the ended calls spent, to count to the day.
+    tokens: i64,
     /// A pause to report, the longest asked for.
     pause: Option<(Duration, String)>,
     closed: bool,
@@ -216,10 +234,12 @@ impl Calls {
                     self.finished.push(id);
                 }
             }
-            Request::Finished { id, pause } => {
+            Request::Finished { id, tokens, pause } => {
                 if self.running.remove(&id) {
                     self.finished.push(id);
                 }
+                // Spent whether or not the budget still knew the call.
+                self.tokens = self.tokens.saturating_add(tokens);
                 if let Some((wait, reason)) = pause {
                     if self
                         .pause
@@ -243,7 +263,10 @@ impl Calls {
 
     /// Something to tell the budget.
     fn has_news(&self) -> bool {
-        !self.to_queue.is_empty() || !self.finished.is_empty() || self.pause.is_some()
+        !self.to_queue.is_empty()
+            || !self.finished.is_empty()
+            || self.tokens > 0
+            || self.pause.is_some()
     }
 
     /// Holding anything in the budget: its lease must be kept.
@@ -323,6 +346,7 @@ impl BudgetAgent {
         let mut lease = self.lease().await;
         let mut renew_at = Instant::now() + lease / 3;
         let mut pause_seen: Option<Instant> = None;
+        let mut held_seen: Option<Held> = None;
         let mut doorbells_open = true;
         loop {
             if retry.is_none() && (self.calls.has_news() || ask) {
@@ -340,6 +364,7 @@ impl BudgetAgent {
                             .min()
                             .map(|d| Instant::now() + d);
                         pause_seen = self.note_pause(answer.pause.as_ref(), pause_seen);
+                        held_seen = note_held(&answer, held_seen);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, retry_in = ?retry_pause, "cannot reach the LLM budget; will try again");
@@ -403,6 +428,7 @@ impl BudgetAgent {
                     lease,
                     queue: &queue,
                     finished: &self.calls.finished,
+                    tokens: self.calls.tokens,
                     pause: pause
                         .as_ref()
                         .map(|(wait, reason)| (*wait, reason.as_str())),
@@ -413,6 +439,7 @@ impl BudgetAgent {
         };
         let sent = std::mem::take(&mut self.calls.to_queue);
         self.calls.finished.clear();
+        self.calls.tokens = 0;
         self.calls.pause = None;
         self.calls.apply(sent, &answer);
         Ok(answer)
@@ -431,6 +458,7 @@ impl BudgetAgent {
                     lease: Duration::ZERO,
                     queue: &[],
                     finished: &[],
+                    tokens: self.calls.tokens,
                     pause: self
                         .calls
                         .pause
@@ -475,6 +503,25 @@ impl BudgetAgent {
             (None, None) => None,
         }
     }
+}
+
+/// Logs what the day's token budget holds when that changes; returns what
+/// it holds now.
+fn note_held(answer: &ExchangeAnswer, seen: Option<Held>) -> Option<Held> {
+    if answer.held != seen {
+        match answer.held {
+            Some(held) => tracing::warn!(
+                tokens_today = answer.tokens_today,
+                "the day's token budget holds {} until the next day",
+                held.what()
+            ),
+            None => tracing::info!(
+                tokens_today = answer.tokens_today,
+                "the day's token budget holds no LLM calls any more"
+            ),
+        }
+    }
+    answer.held
 }
 
 /// Sleeps until `at`; `None` never comes.

@@ -46,7 +46,7 @@ use crate::model::llm::Priority;
 use crate::model::status::Status;
 use crate::settings::{Settings, SettingsCache};
 use crate::writer::checks::ArticleChecks;
-use crate::writer::{Article, IssueText, SharedWriter, WriteError, Writer};
+use crate::writer::{token_bound, Article, IssueText, SharedWriter, WriteError, Writer};
 
 /// A claimed issue for the generator, with the class its LLM call waits in
 /// (`None`: the class the issue was last asked for at).
@@ -130,6 +130,16 @@ enum Gate {
 enum Slot<'a> {
     Local { _permit: SemaphorePermit<'a> },
     Shared(CallSlot),
+}
+
+impl Slot<'_> {
+    /// What the call has spent so far, for the day's token budget (a local
+    /// slot, for a writer that asks no model, counts nothing).
+    fn spent(&mut self, tokens: i64) {
+        if let Slot::Shared(slot) = self {
+            slot.spent(tokens);
+        }
+    }
 }
 
 impl Gate {
@@ -597,7 +607,7 @@ async fn generate(
 async fn call_writer(
     generation: &Generation,
     claimed: &ClaimedIssue,
-    slot: Slot<'_>,
+    mut slot: Slot<'_>,
     known: Option<Arc<Settings>>,
 ) -> (Result<Article, WriteError>, Option<Duration>) {
     let now = generation.settings.get().await.ok().or(known);
@@ -608,6 +618,7 @@ async fn call_writer(
         &*generation.writer,
         IssueText::new(claimed, settings.prompts()),
         &settings.article_checks(),
+        &mut slot,
     )
     .await;
     // The slot bounds LLM calls only: it is given back here, before the
@@ -630,13 +641,20 @@ async fn call_writer(
 /// Writes `issue`'s article and checks it (see [`crate::writer::checks`]):
 /// an answer that fails a check is asked for again once, with the reason;
 /// a second failure is [`WriteError::InvalidArticle`]. The article stored
-/// counts the tokens of both calls.
+/// counts the tokens of both calls; `slot` is told what the calls spent as
+/// they go, so a call dropped midway still counts its prompt.
 async fn write_checked(
     writer: &dyn Writer,
     issue: IssueText<'_>,
     checks: &ArticleChecks,
+    slot: &mut Slot<'_>,
 ) -> Result<Article, WriteError> {
-    let first = timed(writer.write(issue)).await?;
+    let prompt = issue.prompt_token_bound();
+    slot.spent(prompt);
+    let first = timed(writer.write(issue)).await;
+    let mut spent = tokens_spent(&first, prompt);
+    slot.spent(spent);
+    let first = first?;
     let rejection = match checks.check(&first) {
         Ok(article) => return Ok(article),
         Err(rejection) => rejection,
@@ -644,7 +662,12 @@ async fn write_checked(
     crate::metrics::article_rejected(rejection.check.as_str());
     tracing::info!(issue = issue.id, %rejection, "answer rejected; asking again");
     let problem = rejection.request_again();
-    let second = timed(writer.write_again(issue, &first, &problem)).await?;
+    let prompt = prompt + token_bound(&[&first.answer, &problem]);
+    slot.spent(spent + prompt);
+    let second = timed(writer.write_again(issue, &first, &problem)).await;
+    spent += tokens_spent(&second, prompt);
+    slot.spent(spent);
+    let second = second?;
     match checks.check(&second) {
         Ok(article) => Ok(Article {
             usage: first.usage.plus(second.usage),
@@ -654,6 +677,23 @@ async fn write_checked(
             crate::metrics::article_rejected(rejection.check.as_str());
             Err(WriteError::InvalidArticle(rejection))
         }
+    }
+}
+
+/// The tokens one call spent, for the day's budget: what the API reported,
+/// and where it reported nothing, the bound of the prompt sent (`prompt`)
+/// and of the answer (see [`token_bound`]); a call refused before the model
+/// ran costs nothing.
+fn tokens_spent(result: &Result<Article, WriteError>, prompt: i64) -> i64 {
+    match result {
+        Ok(article) => {
+            let reported = |count: Option<i32>| count.map(i64::from);
+            reported(article.usage.prompt_tokens).unwrap_or(prompt)
+                + reported(article.usage.completion_tokens)
+                    .unwrap_or_else(|| token_bound(&[&article.answer]))
+        }
+        Err(e) if e.kind().may_have_billed() => prompt,
+        Err(_) => 0,
     }
 }
 

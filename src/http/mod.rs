@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
+use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderValue, Request, Response};
 use axum::routing::get;
@@ -114,8 +115,21 @@ pub fn router(services: Services) -> Router {
         .with_state(state)
 }
 
-/// `GET /metrics`: the Prometheus text format.
-async fn prometheus_metrics() -> Result<Response<axum::body::Body>, ApiError> {
+/// `GET /metrics`: the Prometheus text format. The day's tokens are the
+/// cluster's, read from the database at each scrape; a database out of
+/// reach leaves them as last read rather than failing the scrape.
+async fn prometheus_metrics(
+    State(state): State<AppState>,
+) -> Result<Response<axum::body::Body>, ApiError> {
+    let day = async {
+        let client = state.pool.get().await?;
+        crate::db::llm_budget::day(&client).await
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(2), day).await {
+        Ok(Ok(day)) => crate::metrics::llm_day(&day),
+        Ok(Err(e)) => tracing::debug!(error = %e, "/metrics: cannot read the day's tokens"),
+        Err(_) => tracing::debug!("/metrics: the day's tokens took too long to read"),
+    }
     let text = crate::metrics::render().map_err(|e| ApiError::Internal(e.to_string()))?;
     let mut response = Response::new(axum::body::Body::from(text));
     response.headers_mut().insert(

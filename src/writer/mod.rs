@@ -78,6 +78,31 @@ impl<'a> IssueText<'a> {
     }
 }
 
+/// Tokens a chat message's framing may add (role, separators), beyond its
+/// text: a few in every chat format; counted generously.
+const FRAMING_TOKENS: i64 = 8;
+
+/// An upper bound of the tokens `texts`, sent or received as chat
+/// messages, cost, for an API that reports no usage: a byte-level BPE
+/// token stands for at least one byte of text, so a message costs at most
+/// its UTF-8 bytes plus its framing (docs/architecture.md, "The day's
+/// tokens").
+pub fn token_bound(texts: &[&str]) -> i64 {
+    texts
+        .iter()
+        .map(|text| text.len() as i64 + FRAMING_TOKENS)
+        .sum()
+}
+
+impl IssueText<'_> {
+    /// [`token_bound`] of the first request's messages: the system prompt
+    /// and the user prompt made from the issue.
+    pub fn prompt_token_bound(&self) -> i64 {
+        let user = openai::user_prompt(self.prompts.user_template, self.title, self.body);
+        token_bound(&[self.prompts.system, &user])
+    }
+}
+
 /// What a writer produces. `body` holds paragraphs separated by a blank line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Article {
@@ -119,6 +144,21 @@ pub enum WriteErrorKind {
 }
 
 impl WriteErrorKind {
+    /// Whether the model may have read the prompt, and so billed it: the
+    /// request was sent and no refusal came back (a timeout, a broken
+    /// connection, a 2xx answer that could not be used). A 429, 5xx, 4xx
+    /// or a connection never made cost nothing.
+    pub fn may_have_billed(self) -> bool {
+        matches!(
+            self,
+            WriteErrorKind::Timeout
+                | WriteErrorKind::Transport
+                | WriteErrorKind::Malformed
+                | WriteErrorKind::Empty
+                | WriteErrorKind::Incomplete
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             WriteErrorKind::RateLimited => "rate_limited",

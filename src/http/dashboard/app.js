@@ -295,6 +295,15 @@
     $("tokens-today-completion").textContent = number(llm.tokens_today.completion);
     $("tokens-briefing-prompt").textContent = number(llm.tokens_latest_briefing.prompt);
     $("tokens-briefing-completion").textContent = number(llm.tokens_latest_briefing.completion);
+    const day = llm.day;
+    $("llm-day").textContent =
+      day.budget > 0
+        ? number(day.tokens) + " of " + number(day.budget) + " tokens spent today (" + day.timezone + "), " +
+          number(day.briefing_reserve) + " kept for the briefing"
+        : number(day.tokens) + " tokens spent today (" + day.timezone + "), no daily budget";
+    const held = $("llm-held");
+    held.hidden = !day.state;
+    held.textContent = day.state ? "Daily token budget: " + day.state : "";
     const pause = llm.pause;
     const paused = Boolean(pause && pause.active);
     $("llm").dataset.paused = paused ? "1" : "0";
