@@ -115,6 +115,8 @@ async fn dashboard_json_has_the_documented_shape_as_of_one_log_position() {
             "pause": null,
             "tokens_today": {"prompt": 0, "completion": 0},
             "tokens_latest_briefing": {"prompt": 0, "completion": 0},
+            "day": {"tokens": 0, "budget": 0, "briefing_reserve": 0, "timezone": "UTC",
+                    "held": null, "state": null},
         })
     );
     assert_eq!(
