@@ -120,6 +120,7 @@ async fn start_service(url: &str, instance: &str, llm: SocketAddr) -> RunningSer
         model: "bench".into(),
         api_key: None,
         timeout: Duration::from_secs(60),
+        fallback: None,
     })
     .unwrap();
     newsnack::serve::start(

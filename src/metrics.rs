@@ -30,6 +30,12 @@
 //! | `newsnack_llm_tokens_today` | gauge | | tokens spent today (the day in `timezone`), every instance and provider together, as the shared budget counts them; read from the database at each scrape |
 //! | `newsnack_llm_daily_token_budget` | gauge | | `llm_daily_token_budget` (0: unlimited), read at each scrape |
 //! | `newsnack_llm_held` | gauge | `class` = `feed`/`briefing` | 1 while the day's token budget holds that class's calls until the next day, read at each scrape |
+//! | `newsnack_llm_provider_seconds` | histogram | `provider` = `primary`/`fallback` | how long each call to that provider took |
+//! | `newsnack_llm_provider_calls_total` | counter | `provider` | this process's calls to that provider |
+//! | `newsnack_llm_provider_errors_total` | counter | `provider`, `kind` | this process's failed calls to that provider, by [`crate::writer::WriteErrorKind`] |
+//! | `newsnack_llm_provider_up` | gauge | `provider` | 1 up, 0.5 probing (one call at a time tries it), 0 down (its circuit open, or the primary paused), as every instance sees it; read at each scrape |
+//! | `newsnack_llm_provider_failures` | gauge | `provider` | failed calls in a row, every instance together; read at each scrape |
+//! | `newsnack_llm_provider_in_flight` | gauge | `provider` | calls in flight on it, every instance together; read at each scrape |
 //! | `newsnack_log_lines_dropped_total` | counter | | log and status lines lost because their destination failed (a closed pipe, a full disk; see [`crate::logging`]) |
 //!
 //! Gauges that count something alive are driven by [`GaugeGuard`]s: the
@@ -62,6 +68,12 @@ const AUTH_REJECTIONS: &str = "newsnack_auth_rejections_total";
 const LLM_TOKENS: &str = "newsnack_llm_tokens_total";
 const LLM_CALLS_WAITING: &str = "newsnack_llm_calls_waiting";
 const LLM_TOKENS_TODAY: &str = "newsnack_llm_tokens_today";
+const LLM_PROVIDER_SECONDS: &str = "newsnack_llm_provider_seconds";
+const LLM_PROVIDER_CALLS: &str = "newsnack_llm_provider_calls_total";
+const LLM_PROVIDER_ERRORS: &str = "newsnack_llm_provider_errors_total";
+const LLM_PROVIDER_UP: &str = "newsnack_llm_provider_up";
+const LLM_PROVIDER_FAILURES: &str = "newsnack_llm_provider_failures";
+const LLM_PROVIDER_IN_FLIGHT: &str = "newsnack_llm_provider_in_flight";
 const LLM_DAILY_TOKEN_BUDGET: &str = "newsnack_llm_daily_token_budget";
 const LLM_HELD: &str = "newsnack_llm_held";
 const LLM_PAUSED: &str = "newsnack_llm_paused";
@@ -213,6 +225,31 @@ fn describe_and_register() {
         LLM_DAILY_TOKEN_BUDGET,
         "The llm_daily_token_budget setting (0: unlimited)"
     );
+    describe_histogram!(
+        LLM_PROVIDER_SECONDS,
+        metrics::Unit::Seconds,
+        "How long each call to an LLM provider took"
+    );
+    describe_counter!(
+        LLM_PROVIDER_CALLS,
+        "Calls of this process to an LLM provider"
+    );
+    describe_counter!(
+        LLM_PROVIDER_ERRORS,
+        "Failed calls of this process to an LLM provider, by kind"
+    );
+    describe_gauge!(
+        LLM_PROVIDER_UP,
+        "1 up, 0.5 probing, 0 down: an LLM provider's state as every instance sees it"
+    );
+    describe_gauge!(
+        LLM_PROVIDER_FAILURES,
+        "Failed calls in a row of an LLM provider, every instance together"
+    );
+    describe_gauge!(
+        LLM_PROVIDER_IN_FLIGHT,
+        "Calls in flight on an LLM provider, every instance together"
+    );
     describe_gauge!(
         LLM_HELD,
         "1 while the day's token budget holds this class's LLM calls until the next day"
@@ -334,13 +371,37 @@ pub fn wait_decided(outcome: &'static str, waited: Duration) {
     histogram!(WAIT_SECONDS, "outcome" => outcome).record(waited.as_secs_f64());
 }
 
-/// A writer (LLM) call ended after `took`; `error_kind` is
+/// A writer (LLM) call to `provider` ended after `took`; `error_kind` is
 /// `WriteError::kind().as_str()` when it failed.
-pub fn llm_call_finished(took: Duration, error_kind: Option<&'static str>) {
+pub fn llm_call_finished(
+    provider: crate::model::llm::Provider,
+    took: Duration,
+    error_kind: Option<&'static str>,
+) {
     let _ = install();
+    let provider = provider.as_str();
     histogram!(LLM_SECONDS).record(took.as_secs_f64());
+    histogram!(LLM_PROVIDER_SECONDS, "provider" => provider).record(took.as_secs_f64());
+    counter!(LLM_PROVIDER_CALLS, "provider" => provider).increment(1);
     if let Some(kind) = error_kind {
         counter!(LLM_ERRORS, "kind" => kind).increment(1);
+        counter!(LLM_PROVIDER_ERRORS, "provider" => provider, "kind" => kind).increment(1);
+    }
+}
+
+/// Each provider's state as every instance sees it, read from the
+/// database at this scrape.
+pub fn llm_providers(providers: &[crate::db::llm_budget::ProviderView]) {
+    let _ = install();
+    for p in providers {
+        let provider = p.provider.as_str();
+        gauge!(LLM_PROVIDER_UP, "provider" => provider).set(match p.state {
+            "up" => 1.0,
+            "probing" => 0.5,
+            _ => 0.0,
+        });
+        gauge!(LLM_PROVIDER_FAILURES, "provider" => provider).set(p.failures as f64);
+        gauge!(LLM_PROVIDER_IN_FLIGHT, "provider" => provider).set(p.in_flight as f64);
     }
 }
 
@@ -505,7 +566,11 @@ mod tests {
 
     #[test]
     fn histograms_render_as_buckets() {
-        llm_call_finished(Duration::from_millis(30), Some("timeout"));
+        llm_call_finished(
+            crate::model::llm::Provider::Primary,
+            Duration::from_millis(30),
+            Some("timeout"),
+        );
         let text = render().unwrap();
         assert!(
             text.contains("# TYPE newsnack_llm_seconds histogram"),

@@ -27,7 +27,7 @@ use crate::generation::worker::{Generator, GeneratorHandle};
 use crate::http::{self, Services};
 use crate::maintenance::pruner::Pruner;
 use crate::settings::SettingsCache;
-use crate::writer::SharedWriter;
+use crate::writer::Writers;
 
 /// How to run the service.
 #[derive(Debug, Clone)]
@@ -153,7 +153,7 @@ impl Core {
         database: &db::Database,
         instance: &str,
         pool_size: usize,
-        writer: SharedWriter,
+        writers: impl Into<Writers>,
         grace: Duration,
         retry_scope: RetryScope,
         shutdown: &CancellationToken,
@@ -182,17 +182,23 @@ impl Core {
         .await?;
         let settings = Arc::new(SettingsCache::new(pool.clone(), hub.settings_changed()));
         let claimer = Claimer::start(pool.clone(), instance.to_string(), 2);
-        let calls_llm = writer.calls_llm();
+        let writers: Writers = writers.into();
+        let calls_llm = writers.primary.calls_llm();
         let (mut generator, generator_handle) = Generator::new(
             pool.clone(),
-            writer,
+            writers.primary,
             settings.clone(),
             hub.settings_changed(),
             grace,
         );
         if calls_llm {
-            let (budget, agent) = LlmBudget::start(pool.clone(), &hub, settings.clone(), instance);
+            let has_fallback = writers.fallback.is_some();
+            let (budget, agent) =
+                LlmBudget::start(pool.clone(), &hub, settings.clone(), instance, has_fallback);
             generator = generator.sharing(budget, agent);
+            if let Some(fallback) = writers.fallback {
+                generator = generator.falling_back_to(fallback);
+            }
         }
         let generator =
             generator.abandoning(hub.stream_after(hub.status().borrow().last_seq, None));
@@ -303,7 +309,7 @@ fn raise_open_files_limit() {
 /// Starts every part of the service. Returns once the API is listening.
 pub async fn start(
     options: ServeOptions,
-    writer: SharedWriter,
+    writer: impl Into<Writers>,
 ) -> Result<RunningService, ServeError> {
     http::auth::check_configurable(options.api_token.as_deref())?;
     raise_open_files_limit();

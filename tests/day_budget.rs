@@ -90,6 +90,7 @@ async fn exchange_as(
             issue_id: claim_id,
             claim_id,
             priority: Some(priority),
+            fallback_only: false,
         })
         .collect();
     let client = db.pool.get().await.unwrap();
@@ -99,9 +100,11 @@ async fn exchange_as(
             holder: "h",
             instance: "h",
             lease: Duration::from_secs(60),
+            has_fallback: false,
             queue: &queue,
             finished,
             tokens,
+            reports: &[],
             pause: None,
             leaving: false,
         },

@@ -59,6 +59,7 @@ fn llm_writer(url: &str, timeout: Duration) -> SharedWriter {
         model: "fake-model".into(),
         api_key: None,
         timeout,
+        fallback: None,
     })
     .expect("build the LLM writer")
 }

@@ -26,6 +26,7 @@ fn llm_writer(fake: &FakeLlm, timeout: Duration) -> SharedWriter {
         model: "fake-model".into(),
         api_key: Some("test-key".into()),
         timeout,
+        fallback: None,
     })
     .unwrap()
 }

@@ -104,6 +104,7 @@ async fn exchange_as(
             issue_id: claim_id,
             claim_id,
             priority: Some(priority),
+            fallback_only: false,
         })
         .collect();
     let client = db.pool.get().await.unwrap();
@@ -113,9 +114,11 @@ async fn exchange_as(
             holder,
             instance: holder,
             lease: Duration::from_secs(60),
+            has_fallback: false,
             queue: &queue,
             finished,
             tokens: 0,
+            reports: &[],
             pause: None,
             leaving: false,
         },
@@ -223,15 +226,18 @@ async fn a_dead_holders_share_comes_back_with_its_lease() {
         issue_id: 1,
         claim_id: 1,
         priority: Some(Priority::Feed),
+        fallback_only: false,
     }];
     let client = db.pool.get().await.unwrap();
     let dead = Exchange {
         holder: "dead",
         instance: "dead",
         lease: Duration::from_millis(200),
+        has_fallback: false,
         queue: &queue,
         finished: &[],
         tokens: 0,
+        reports: &[],
         pause: None,
         leaving: false,
     };
@@ -266,14 +272,17 @@ async fn a_pause_holds_every_grant() {
         issue_id: 1,
         claim_id: 1,
         priority: Some(Priority::Briefing),
+        fallback_only: false,
     }];
     let pausing = |pause: Duration| Exchange {
         holder: "a",
         instance: "a",
         lease: Duration::from_secs(60),
+        has_fallback: false,
         queue: &[],
         finished: &[],
         tokens: 0,
+        reports: &[],
         pause: Some((pause, "rate limited (HTTP 429 Too Many Requests)")),
         leaving: false,
     };

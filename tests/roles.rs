@@ -20,7 +20,7 @@ use tokio_postgres::{AsyncMessage, Client, NoTls, Notification};
 
 /// Every table of the schema a granted role may read, as `grant` names
 /// them: all but `notification_key`, which signs the log's notifications.
-const TABLES: [&str; 14] = [
+const TABLES: [&str; 15] = [
     "ai_article",
     "briefing",
     "issue",
@@ -30,6 +30,7 @@ const TABLES: [&str; 14] = [
     "llm_budget",
     "llm_call",
     "llm_holder",
+    "llm_provider",
     "llm_token_day",
     "newsnack_migration",
     "pipeline_run",

@@ -33,6 +33,7 @@ fn config(url: &str) -> WriterConfig {
         model: "test-model".to_string(),
         api_key: None,
         timeout: Duration::from_secs(10),
+        fallback: None,
     }
 }
 
@@ -187,6 +188,7 @@ async fn a_hanging_server_times_out_retryably() {
     let fake = FakeLlm::start(|_, _| Reply::Hang).await;
     let writer = writer::build(&WriterConfig {
         timeout: Duration::from_secs(1),
+        fallback: None,
         ..config(&fake.url)
     })
     .unwrap();

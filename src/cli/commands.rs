@@ -65,8 +65,12 @@ pub(super) async fn serve(
     direct: Option<String>,
     args: ServeArgs,
 ) -> Result<ExitCode, CliError> {
-    let writer = crate::writer::build(&crate::writer::WriterConfig::from_env()?)?;
-    tracing::info!(writer = writer.name(), "writer ready");
+    let writer = crate::writer::build_all(&crate::writer::WriterConfig::from_env()?)?;
+    tracing::info!(
+        writer = writer.primary.name(),
+        fallback = writer.fallback.as_ref().map(|w| w.name()),
+        "writer ready"
+    );
     let options = crate::serve::ServeOptions {
         listen: args.listen,
         database_url: url.filter(|u| !u.trim().is_empty()),
@@ -421,7 +425,7 @@ pub(super) async fn wait(
 }
 
 pub(super) async fn run_pipeline(database: &db::Database) -> Result<ExitCode, CliError> {
-    let writer = crate::writer::build(&crate::writer::WriterConfig::from_env()?)?;
+    let writer = crate::writer::build_all(&crate::writer::WriterConfig::from_env()?)?;
     let shutdown = CancellationToken::new();
     crate::shutdown::cancel_on_signal(shutdown.clone());
     let instance = format!("cli:{}", crate::serve::default_instance_name());

@@ -1,6 +1,7 @@
-//! Queries on the LLM budget all instances share (migrations 17 and 28):
-//! the one exchange a holder has with it, and what the dashboard and the
-//! metrics show of it, the day's tokens included.
+//! Queries on the LLM budget all instances share (migrations 17, 28 and
+//! 29): the one exchange a holder has with it, and what the dashboard and
+//! the metrics show of it, the day's tokens and the providers' state
+//! included.
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
-use crate::model::llm::Priority;
+use crate::model::llm::{Priority, Provider};
 
 /// A call to queue: its claim, and its class (`None`: the class the issue
 /// was last asked for at, else briefing).
@@ -19,6 +20,34 @@ pub struct CallToQueue {
     pub issue_id: i64,
     pub claim_id: i64,
     pub priority: Option<Priority>,
+    /// The call goes to the fallback provider only (the primary failed it).
+    pub fallback_only: bool,
+}
+
+/// How a call ended on its provider, for the providers' circuits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProviderReport {
+    pub provider: Provider,
+    pub outcome: ProviderOutcome,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProviderOutcome {
+    /// It answered.
+    Ok,
+    /// It failed (5xx, timeout, no connection, 429), for `reason`; with a
+    /// pause it asked for.
+    Failed {
+        reason: String,
+        pause: Option<Duration>,
+    },
+}
+
+/// Where a granted call goes, and its class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    pub provider: Provider,
+    pub priority: Priority,
 }
 
 /// What a holder brings to an exchange.
@@ -30,11 +59,15 @@ pub struct Exchange<'a> {
     pub instance: &'a str,
     /// How long the holder lives without another exchange.
     pub lease: Duration,
+    /// The holder can call a fallback provider.
+    pub has_fallback: bool,
     pub queue: &'a [CallToQueue],
     /// The holder's calls that ended, or will never run.
     pub finished: &'a [i64],
     /// The tokens those calls spent, counted to today.
     pub tokens: i64,
+    /// How those calls went on their providers.
+    pub reports: &'a [ProviderReport],
     /// A pause every instance should keep, and why.
     pub pause: Option<(Duration, &'a str)>,
     /// The holder goes away with all its calls.
@@ -58,6 +91,8 @@ pub struct ExchangeAnswer {
     pub queued: Vec<i64>,
     /// Every call of the holder granted and not finished.
     pub granted: Vec<i64>,
+    /// Where each of `granted` goes, in the same order.
+    pub routes: Vec<Route>,
     /// How many calls the holder has in the budget, waiting or granted.
     pub holding: i64,
     pub pause: Option<PauseInForce>,
@@ -115,25 +150,53 @@ pub async fn exchange(
         .iter()
         .map(|c| c.priority.map(Priority::as_str))
         .collect();
+    let fallback_only: Vec<bool> = exchange.queue.iter().map(|c| c.fallback_only).collect();
     let (pause_s, pause_reason) = match exchange.pause {
         Some((pause, reason)) => (Some(pause.as_secs_f64()), Some(reason)),
         None => (None, None),
     };
+    let report_providers: Vec<&str> = exchange
+        .reports
+        .iter()
+        .map(|r| r.provider.as_str())
+        .collect();
+    let report_ok: Vec<bool> = exchange
+        .reports
+        .iter()
+        .map(|r| r.outcome == ProviderOutcome::Ok)
+        .collect();
+    let (report_pauses, report_reasons): (Vec<Option<f64>>, Vec<Option<&str>>) = exchange
+        .reports
+        .iter()
+        .map(|r| match &r.outcome {
+            ProviderOutcome::Ok => (None, None),
+            ProviderOutcome::Failed { reason, pause } => {
+                (pause.map(|p| p.as_secs_f64()), Some(reason.as_str()))
+            }
+        })
+        .unzip();
     let row = client
         .sql()
         .query_typed_one(
-            "SELECT queued, granted, holding, paused_for_s, pause_reason, paused_by, ask_again_in_s,
-                    tokens_today, held
-               FROM newsnack_llm_exchange($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            "SELECT queued, granted, granted_providers, granted_priorities, holding, paused_for_s,
+                    pause_reason, paused_by, ask_again_in_s, tokens_today, held
+               FROM newsnack_llm_exchange($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,
+                                          $14, $15, $16, $17)",
             &[
                 (&exchange.holder, Type::TEXT),
                 (&exchange.instance, Type::TEXT),
                 (&exchange.lease.as_secs_f64(), Type::FLOAT8),
+                (&exchange.has_fallback, Type::BOOL),
                 (&issue_ids, Type::INT8_ARRAY),
                 (&claim_ids, Type::INT8_ARRAY),
                 (&priorities, Type::TEXT_ARRAY),
+                (&fallback_only, Type::BOOL_ARRAY),
                 (&exchange.finished, Type::INT8_ARRAY),
                 (&exchange.tokens, Type::INT8),
+                (&report_providers, Type::TEXT_ARRAY),
+                (&report_ok, Type::BOOL_ARRAY),
+                (&report_pauses, Type::FLOAT8_ARRAY),
+                (&report_reasons, Type::TEXT_ARRAY),
                 (&pause_s, Type::FLOAT8),
                 (&pause_reason, Type::TEXT),
                 (&exchange.leaving, Type::BOOL),
@@ -144,18 +207,29 @@ pub async fn exchange(
         row.get::<_, Option<f64>>(idx)
             .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO))
     };
+    let providers: Vec<String> = row.get::<_, Option<Vec<String>>>(2).unwrap_or_default();
+    let classes: Vec<String> = row.get::<_, Option<Vec<String>>>(3).unwrap_or_default();
+    let routes = providers
+        .iter()
+        .zip(&classes)
+        .map(|(provider, priority)| Route {
+            provider: Provider::parse(provider).unwrap_or(Provider::Primary),
+            priority: Priority::parse(priority).unwrap_or(Priority::Briefing),
+        })
+        .collect();
     Ok(ExchangeAnswer {
         queued: row.get::<_, Option<Vec<i64>>>(0).unwrap_or_default(),
         granted: row.get::<_, Option<Vec<i64>>>(1).unwrap_or_default(),
-        holding: row.get::<_, Option<i64>>(2).unwrap_or_default(),
-        pause: seconds(3).map(|remaining| PauseInForce {
+        routes,
+        holding: row.get::<_, Option<i64>>(4).unwrap_or_default(),
+        pause: seconds(5).map(|remaining| PauseInForce {
             remaining,
-            reason: row.get(4),
-            by: row.get(5),
+            reason: row.get(6),
+            by: row.get(7),
         }),
-        ask_again_in: seconds(6),
-        tokens_today: row.get::<_, Option<i64>>(7).unwrap_or_default(),
-        held: Held::parse(row.get(8)),
+        ask_again_in: seconds(8),
+        tokens_today: row.get::<_, Option<i64>>(9).unwrap_or_default(),
+        held: Held::parse(row.get(10)),
     })
 }
 
@@ -201,6 +275,70 @@ pub struct BudgetView {
     pub tokens_latest_briefing: Tokens,
     /// The day's token budget and what it holds.
     pub day: DayView,
+    /// Each provider's state, primary first.
+    pub providers: Vec<ProviderView>,
+}
+
+/// A provider as every instance sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProviderView {
+    pub provider: Provider,
+    /// `up`; `down` (its circuit open, or the primary paused by a rate
+    /// limit); `probing` (past its time down: one call at a time tries it).
+    pub state: &'static str,
+    /// Failed calls in a row.
+    pub failures: i64,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub down_until: Option<OffsetDateTime>,
+    pub last_error: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub last_error_at: Option<OffsetDateTime>,
+    /// Calls granted on it and not finished, every instance together.
+    pub in_flight: i64,
+}
+
+/// Each provider's state, as of `client`'s snapshot: the exchange's own
+/// rule (migration 29), read.
+pub async fn providers(client: &impl Sql) -> Result<Vec<ProviderView>, DbError> {
+    let rows = client
+        .sql()
+        .query_typed(
+            "SELECT p.provider,
+                    CASE WHEN p.down_until > now()
+                           OR (p.provider = 'primary' AND b.paused_until > now()) THEN 'down'
+                         WHEN p.failures >= (SELECT COALESCE(s.value, sp.default_value)::int
+                                               FROM setting_spec sp LEFT JOIN setting s USING (key)
+                                              WHERE sp.key = 'llm_circuit_failures') THEN 'probing'
+                         ELSE 'up' END,
+                    p.failures::bigint,
+                    CASE WHEN p.provider = 'primary' AND b.paused_until > now()
+                         THEN greatest(p.down_until, b.paused_until) ELSE p.down_until END,
+                    p.last_error, p.last_error_at,
+                    (SELECT count(*) FROM llm_call c JOIN llm_holder h USING (holder)
+                      WHERE h.lease_until >= now() AND c.granted_at IS NOT NULL
+                        AND c.finished_at IS NULL
+                        AND COALESCE(c.provider, 'primary') = p.provider)
+               FROM llm_provider p, llm_budget b
+              ORDER BY p.provider = 'fallback'",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| ProviderView {
+            provider: Provider::parse(row.get(0)).unwrap_or(Provider::Primary),
+            state: match row.get::<_, &str>(1) {
+                "down" => "down",
+                "probing" => "probing",
+                _ => "up",
+            },
+            failures: row.get(2),
+            down_until: row.get(3),
+            last_error: row.get(4),
+            last_error_at: row.get(5),
+            in_flight: row.get(6),
+        })
+        .collect())
 }
 
 /// The day's tokens against the day's budget.
@@ -297,6 +435,7 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
         .await?;
     let until: Option<OffsetDateTime> = row.get(7);
     let day = day(client).await?;
+    let providers = providers(client).await?;
     Ok(BudgetView {
         max_in_flight: row.get(0),
         requests_per_minute: row.get(1),
@@ -320,5 +459,6 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
             completion: row.get(14),
         },
         day,
+        providers,
     })
 }

@@ -147,6 +147,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "day budget",
         sql: include_str!("../../sql/0028_day_budget.sql"),
     },
+    Migration {
+        version: 29,
+        name: "fallback provider",
+        sql: include_str!("../../sql/0029_fallback_provider.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -31,7 +31,10 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::db::issue::ClaimedIssue;
-use crate::db::llm_budget::{self, CallToQueue, Exchange, ExchangeAnswer, Held, PauseInForce};
+use crate::db::llm_budget::{
+    self, CallToQueue, Exchange, ExchangeAnswer, Held, PauseInForce, ProviderOutcome,
+    ProviderReport, Route,
+};
 use crate::db::{DbError, DbPool};
 use crate::events::hub::EventHub;
 use crate::model::llm::Priority;
@@ -44,10 +47,10 @@ const LEAVING_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a claim's generation asks of the agent.
 enum Request {
-    /// Queue a call; the grant is the call's id.
+    /// Queue a call; the grant is the call's id and where it goes.
     Queue {
         call: CallToQueue,
-        granted: oneshot::Sender<i64>,
+        granted: oneshot::Sender<(i64, Route)>,
     },
     /// The call of this claim (issue, claim id) is no longer wanted.
     Withdraw { claim: (i64, i64) },
@@ -57,6 +60,7 @@ enum Request {
         id: i64,
         tokens: i64,
         pause: Option<(Duration, String)>,
+        report: Option<ProviderReport>,
     },
     /// No call is granted here any more; the calls waiting are withdrawn.
     Close,
@@ -75,12 +79,31 @@ pub struct LlmBudget {
 /// pauses every instance.
 pub struct CallSlot {
     id: i64,
+    route: Route,
     requests: mpsc::UnboundedSender<Request>,
     tokens: i64,
     pause: Option<(Duration, String)>,
+    report: Option<ProviderOutcome>,
 }
 
 impl CallSlot {
+    /// The provider the call goes to, and its class.
+    pub fn route(&self) -> Route {
+        self.route
+    }
+
+    /// The provider answered: its circuit closes, on every instance.
+    pub fn provider_answered(&mut self) {
+        self.report = Some(ProviderOutcome::Ok);
+    }
+
+    /// The provider failed the call (5xx, timeout, no connection, 429):
+    /// counted toward marking it down for every instance, at once when it
+    /// asked for a `pause`.
+    pub fn provider_failed(&mut self, reason: String, pause: Option<Duration>) {
+        self.report = Some(ProviderOutcome::Failed { reason, pause });
+    }
+
     /// What the call has spent so far, in tokens: counted to the day's
     /// budget when the slot goes back (a call dropped midway counts what
     /// was set last).
@@ -97,10 +120,15 @@ impl CallSlot {
 
 impl Drop for CallSlot {
     fn drop(&mut self) {
+        let provider = self.route.provider;
         let _ = self.requests.send(Request::Finished {
             id: self.id,
             tokens: self.tokens,
             pause: self.pause.take(),
+            report: self
+                .report
+                .take()
+                .map(|outcome| ProviderReport { provider, outcome }),
         });
     }
 }
@@ -129,6 +157,7 @@ impl LlmBudget {
         hub: &EventHub,
         settings: Arc<SettingsCache>,
         instance: &str,
+        has_fallback: bool,
     ) -> (LlmBudget, BudgetAgent) {
         let (requests, inbox) = mpsc::unbounded_channel();
         let agent = BudgetAgent {
@@ -138,6 +167,7 @@ impl LlmBudget {
             settings,
             instance: instance.to_string(),
             holder: format!("{instance}#{:08x}", rand::random::<u32>()),
+            has_fallback,
             inbox,
             calls: Calls::default(),
         };
@@ -145,18 +175,21 @@ impl LlmBudget {
     }
 
     /// Waits until the budget grants a call for `claimed`, at `priority`
-    /// (`None`: the class the issue was last asked for at). `None` once the
-    /// budget is closed. Dropping the future withdraws the call.
+    /// (`None`: the class the issue was last asked for at), on the fallback
+    /// provider only if `fallback_only`. `None` once the budget is closed.
+    /// Dropping the future withdraws the call.
     pub async fn call_slot(
         &self,
         claimed: &ClaimedIssue,
         priority: Option<Priority>,
+        fallback_only: bool,
     ) -> Option<CallSlot> {
         let (granted, grant) = oneshot::channel();
         let call = CallToQueue {
             issue_id: claimed.id,
             claim_id: claimed.claim_id,
             priority,
+            fallback_only,
         };
         self.requests.send(Request::Queue { call, granted }).ok()?;
         let _waiting = crate::metrics::llm_call_waiting();
@@ -165,13 +198,15 @@ impl LlmBudget {
             requests: self.requests.clone(),
             granted: false,
         };
-        let id = grant.await.ok()?;
+        let (id, route) = grant.await.ok()?;
         withdraw.granted = true;
         Some(CallSlot {
             id,
+            route,
             requests: self.requests.clone(),
             tokens: 0,
             pause: None,
+            report: None,
         })
     }
 
@@ -195,7 +230,7 @@ impl LlmBudget {
 /// A call queued here, waiting for its grant.
 struct Waiter {
     call: CallToQueue,
-    granted: oneshot::Sender<i64>,
+    granted: oneshot::Sender<(i64, Route)>,
 }
 
 /// What the agent knows of this process's calls.
@@ -213,6 +248,8 @@ struct Calls {
     finished: Vec<i64>,
     /// What the ended calls spent, to count to the day.
     tokens: i64,
+    /// How the ended calls went on their providers.
+    reports: Vec<ProviderReport>,
     /// A pause to report, the longest asked for.
     pause: Option<(Duration, String)>,
     closed: bool,
@@ -234,7 +271,13 @@ impl Calls {
                     self.finished.push(id);
                 }
             }
-            Request::Finished { id, tokens, pause } => {
+            Request::Finished {
+                id,
+                tokens,
+                pause,
+                report,
+            } => {
+                self.reports.extend(report);
                 if self.running.remove(&id) {
                     self.finished.push(id);
                 }
@@ -266,6 +309,7 @@ impl Calls {
         !self.to_queue.is_empty()
             || !self.finished.is_empty()
             || self.tokens > 0
+            || !self.reports.is_empty()
             || self.pause.is_some()
     }
 
@@ -281,7 +325,7 @@ impl Calls {
                 .insert((waiter.call.issue_id, waiter.call.claim_id), *id);
             self.waiting.insert(*id, waiter);
         }
-        for &id in &answer.granted {
+        for (&id, &route) in answer.granted.iter().zip(&answer.routes) {
             if self.running.contains(&id) {
                 continue;
             }
@@ -289,7 +333,7 @@ impl Calls {
                 Some(waiter) => {
                     self.by_claim
                         .remove(&(waiter.call.issue_id, waiter.call.claim_id));
-                    if waiter.granted.send(id).is_ok() {
+                    if waiter.granted.send((id, route)).is_ok() {
                         self.running.insert(id);
                     } else {
                         self.finished.push(id);
@@ -329,6 +373,7 @@ pub struct BudgetAgent {
     settings: Arc<SettingsCache>,
     instance: String,
     holder: String,
+    has_fallback: bool,
     inbox: mpsc::UnboundedReceiver<Request>,
     calls: Calls,
 }
@@ -426,9 +471,11 @@ impl BudgetAgent {
                     holder: &self.holder,
                     instance: &self.instance,
                     lease,
+                    has_fallback: self.has_fallback,
                     queue: &queue,
                     finished: &self.calls.finished,
                     tokens: self.calls.tokens,
+                    reports: &self.calls.reports,
                     pause: pause
                         .as_ref()
                         .map(|(wait, reason)| (*wait, reason.as_str())),
@@ -440,6 +487,7 @@ impl BudgetAgent {
         let sent = std::mem::take(&mut self.calls.to_queue);
         self.calls.finished.clear();
         self.calls.tokens = 0;
+        self.calls.reports.clear();
         self.calls.pause = None;
         self.calls.apply(sent, &answer);
         Ok(answer)
@@ -456,9 +504,11 @@ impl BudgetAgent {
                     holder: &self.holder,
                     instance: &self.instance,
                     lease: Duration::ZERO,
+                    has_fallback: self.has_fallback,
                     queue: &[],
                     finished: &[],
                     tokens: self.calls.tokens,
+                    reports: &self.calls.reports,
                     pause: self
                         .calls
                         .pause

@@ -42,7 +42,7 @@ use crate::db::{DbError, DbPool};
 use crate::events::stream::TransitionStream;
 use crate::generation::budget::{BudgetAgent, CallSlot, LlmBudget};
 use crate::generation::completion::{record_outcome, record_unrecorded, Completer, Generated};
-use crate::model::llm::Priority;
+use crate::model::llm::{Priority, Provider};
 use crate::model::status::Status;
 use crate::settings::{Settings, SettingsCache};
 use crate::writer::checks::ArticleChecks;
@@ -111,6 +111,8 @@ pub struct Generator {
     /// The budget shared with every instance, for a writer that calls an
     /// LLM, and the agent that talks to it.
     shared: Option<(LlmBudget, BudgetAgent)>,
+    /// The fallback provider's writer.
+    fallback: Option<Arc<Fallback>>,
     /// Every transition, to abandon generations whose issue left
     /// `IN_PROGRESS` under them.
     transitions: Option<TransitionStream>,
@@ -144,13 +146,21 @@ impl Slot<'_> {
 
 impl Gate {
     /// A slot for `claimed`; `None` once the gate is closed (shutdown).
-    async fn slot(&self, claimed: &ClaimedIssue, priority: Option<Priority>) -> Option<Slot<'_>> {
+    async fn slot(
+        &self,
+        claimed: &ClaimedIssue,
+        priority: Option<Priority>,
+        fallback_only: bool,
+    ) -> Option<Slot<'_>> {
         match self {
             Gate::Local(slots) => slots
                 .acquire()
                 .await
                 .map(|permit| Slot::Local { _permit: permit }),
-            Gate::Shared(budget) => budget.call_slot(claimed, priority).await.map(Slot::Shared),
+            Gate::Shared(budget) => budget
+                .call_slot(claimed, priority, fallback_only)
+                .await
+                .map(Slot::Shared),
         }
     }
 
@@ -185,6 +195,7 @@ impl Generator {
                 backlog: backlog.clone(),
                 grace,
                 shared: None,
+                fallback: None,
                 transitions: None,
             },
             GeneratorHandle {
@@ -199,6 +210,18 @@ impl Generator {
     /// instance shares (see [`LlmBudget::start`]).
     pub fn sharing(mut self, budget: LlmBudget, agent: BudgetAgent) -> Generator {
         self.shared = Some((budget, agent));
+        self
+    }
+
+    /// Makes the generator send the calls the primary provider cannot take
+    /// (down, paused) to `fallback`, for the classes `llm_fallback_for`
+    /// allows. Takes effect with [`Generator::sharing`] only: the providers'
+    /// state lives in the shared budget.
+    pub fn falling_back_to(mut self, fallback: SharedWriter) -> Generator {
+        self.fallback = Some(Arc::new(Fallback {
+            completer: Completer::start(self.pool.clone(), fallback.name()),
+            writer: fallback,
+        }));
         self
     }
 
@@ -258,6 +281,7 @@ impl Generator {
                             pool: self.pool.clone(),
                             completer: self.completer.clone(),
                             writer: self.writer.clone(),
+                            fallback: self.fallback.clone(),
                             settings: self.settings.clone(),
                             gate: gate.clone(),
                         },
@@ -532,8 +556,16 @@ struct Generation {
     pool: DbPool,
     completer: Completer,
     writer: SharedWriter,
+    fallback: Option<Arc<Fallback>>,
     settings: Arc<SettingsCache>,
     gate: Gate,
+}
+
+/// The fallback provider's writer, and the completer that records its
+/// articles under its name.
+struct Fallback {
+    writer: SharedWriter,
+    completer: Completer,
 }
 
 /// One issue, start to finish. Heartbeats the lease until the outcome is
@@ -551,18 +583,43 @@ async fn generate(
     let lease = known.as_ref().map_or(claimed.lease, |s| s.lease());
     let answered = AtomicBool::new(false);
     let work = async {
-        let Some(slot) = generation.gate.slot(&claimed, priority).await else {
-            return Ok(Generated::NotStarted);
+        let mut fallback_only = false;
+        let (result, quota_pause, provider) = loop {
+            let Some(slot) = generation
+                .gate
+                .slot(&claimed, priority, fallback_only)
+                .await
+            else {
+                return Ok(Generated::NotStarted);
+            };
+            if !fallback_only && !start.begin() {
+                return Ok(Generated::NotStarted);
+            }
+            match call_writer(&generation, &claimed, slot, known.clone()).await {
+                // The primary failed and the call may go to the fallback:
+                // at once, in the same claim, its attempt unspent.
+                Called::SwitchToFallback => fallback_only = true,
+                Called::Answered {
+                    result,
+                    quota_pause,
+                    provider,
+                } => break (result, quota_pause, provider),
+            }
         };
-        if !start.begin() {
-            return Ok(Generated::NotStarted);
-        }
-        let (result, quota_pause) = call_writer(&generation, &claimed, slot, known).await;
         answered.store(true, Ordering::Relaxed);
-        let Generation {
-            pool, completer, ..
-        } = &generation;
-        record_outcome(pool, completer, &claimed, lease, result, quota_pause).await
+        let completer = match (&generation.fallback, provider) {
+            (Some(fallback), Provider::Fallback) => &fallback.completer,
+            _ => &generation.completer,
+        };
+        record_outcome(
+            &generation.pool,
+            completer,
+            &claimed,
+            lease,
+            result,
+            quota_pause,
+        )
+        .await
     };
     tokio::pin!(work);
     let heartbeat = heartbeat_until_lost(&generation.pool, &claimed, lease);
@@ -600,42 +657,98 @@ async fn generate(
     log_outcome(&claimed, &outcome);
 }
 
-/// Calls the writer for `claimed` while holding `slot`, with the prompts as
-/// the settings say now (a change reaches the next call; `known`, read
-/// before the wait, stands in should the database be out of reach). A
-/// pause the LLM asked for goes back with a shared slot and is returned.
+/// How a call of the writer ended.
+enum Called {
+    /// With this result, from this provider; with the pause the LLM asked
+    /// every instance to keep.
+    Answered {
+        result: Result<Article, WriteError>,
+        quota_pause: Option<Duration>,
+        provider: Provider,
+    },
+    /// The primary is down for this call, which may go to the fallback.
+    SwitchToFallback,
+}
+
+/// Calls the writer of the provider `slot` was granted on, for `claimed`,
+/// with the prompts as the settings say now (a change reaches the next
+/// call; `known`, read before the wait, stands in should the database be
+/// out of reach). With a fallback provider, how the provider did goes back
+/// with the slot, for its circuit; a pause the primary asked for goes back
+/// as every instance's pause of the primary.
 async fn call_writer(
     generation: &Generation,
     claimed: &ClaimedIssue,
     mut slot: Slot<'_>,
     known: Option<Arc<Settings>>,
-) -> (Result<Article, WriteError>, Option<Duration>) {
+) -> Called {
     let now = generation.settings.get().await.ok().or(known);
-    let fallback = Settings::default();
-    let settings = now.as_deref().unwrap_or(&fallback);
+    let defaults = Settings::default();
+    let settings = now.as_deref().unwrap_or(&defaults);
+    let route = match &slot {
+        Slot::Shared(slot) => Some(slot.route()),
+        Slot::Local { .. } => None,
+    };
+    let provider = route.map_or(Provider::Primary, |r| r.provider);
+    let writer = match (&generation.fallback, provider) {
+        (Some(fallback), Provider::Fallback) => &fallback.writer,
+        _ => &generation.writer,
+    };
     let started = std::time::Instant::now();
     let result = write_checked(
-        &*generation.writer,
+        &**writer,
+        provider,
         IssueText::new(claimed, settings.prompts()),
         &settings.article_checks(),
         &mut slot,
     )
     .await;
+    tracing::debug!(issue = claimed.id, provider = provider.as_str(), elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
     // The slot bounds LLM calls only: it is given back here, before the
     // outcome waits for its batch.
-    let quota_pause = match (slot, result.as_ref().err()) {
-        (Slot::Shared(slot), Some(e)) => match e.pause().filter(|p| !p.is_zero()) {
-            Some(pause) => {
-                tracing::warn!(issue = claimed.id, pause_s = pause.as_secs_f64(), reason = %e, "the LLM asked every caller to wait: pausing LLM calls on every instance");
-                slot.finish_pausing(pause, e.reason().to_string());
-                Some(pause)
-            }
-            None => None,
-        },
-        _ => None,
+    let Slot::Shared(mut slot) = slot else {
+        return Called::Answered {
+            result,
+            quota_pause: None,
+            provider,
+        };
     };
-    tracing::debug!(issue = claimed.id, elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
-    (result, quota_pause)
+    let has_fallback = generation.fallback.is_some();
+    let down = result.as_ref().err().filter(|e| e.kind().provider_down());
+    let pause = result
+        .as_ref()
+        .err()
+        .and_then(WriteError::pause)
+        .filter(|p| !p.is_zero());
+    match (down, provider) {
+        (None, _) => {
+            if has_fallback && result.is_ok() {
+                slot.provider_answered();
+            }
+        }
+        (Some(e), Provider::Primary) => {
+            if let Some(pause) = pause {
+                tracing::warn!(issue = claimed.id, pause_s = pause.as_secs_f64(), reason = %e, "the LLM asked every caller to wait: pausing the primary's calls on every instance");
+                slot.finish_pausing(pause, e.reason().to_string());
+            } else if has_fallback {
+                slot.provider_failed(e.reason().to_string(), None);
+            }
+            let class = route.map_or(Priority::Briefing, |r| r.priority);
+            if has_fallback && settings.llm_fallback_for.allows(class) {
+                tracing::warn!(issue = claimed.id, reason = %e, "the primary LLM failed the call; asking the fallback");
+                return Called::SwitchToFallback;
+            }
+        }
+        (Some(e), Provider::Fallback) => {
+            slot.provider_failed(e.reason().to_string(), pause);
+        }
+    }
+    Called::Answered {
+        result,
+        // A pause gives the attempt back (the quota failed, not the article).
+        quota_pause: pause,
+        provider,
+    }
 }
 
 /// Writes `issue`'s article and checks it (see [`crate::writer::checks`]):
@@ -645,13 +758,14 @@ async fn call_writer(
 /// they go, so a call dropped midway still counts its prompt.
 async fn write_checked(
     writer: &dyn Writer,
+    provider: Provider,
     issue: IssueText<'_>,
     checks: &ArticleChecks,
     slot: &mut Slot<'_>,
 ) -> Result<Article, WriteError> {
     let prompt = issue.prompt_token_bound();
     slot.spent(prompt);
-    let first = timed(writer.write(issue)).await;
+    let first = timed(provider, writer.write(issue)).await;
     let mut spent = tokens_spent(&first, prompt);
     slot.spent(spent);
     let first = first?;
@@ -664,7 +778,7 @@ async fn write_checked(
     let problem = rejection.request_again();
     let prompt = prompt + token_bound(&[&first.answer, &problem]);
     slot.spent(spent + prompt);
-    let second = timed(writer.write_again(issue, &first, &problem)).await;
+    let second = timed(provider, writer.write_again(issue, &first, &problem)).await;
     spent += tokens_spent(&second, prompt);
     slot.spent(spent);
     let second = second?;
@@ -697,13 +811,15 @@ fn tokens_spent(result: &Result<Article, WriteError>, prompt: i64) -> i64 {
     }
 }
 
-/// One writer call, counted in the LLM metrics.
+/// One writer call, counted in the LLM metrics, as `provider`'s.
 async fn timed(
+    provider: Provider,
     call: impl std::future::Future<Output = Result<Article, WriteError>>,
 ) -> Result<Article, WriteError> {
     let started = std::time::Instant::now();
     let result = call.await;
     crate::metrics::llm_call_finished(
+        provider,
         started.elapsed(),
         result.as_ref().err().map(|e| e.kind().as_str()),
     );

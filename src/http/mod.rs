@@ -115,18 +115,24 @@ pub fn router(services: Services) -> Router {
         .with_state(state)
 }
 
-/// `GET /metrics`: the Prometheus text format. The day's tokens are the
-/// cluster's, read from the database at each scrape; a database out of
-/// reach leaves them as last read rather than failing the scrape.
+/// `GET /metrics`: the Prometheus text format. The day's tokens and the
+/// providers' state are the cluster's, read from the database at each
+/// scrape; a database out of reach leaves them as last read rather than
+/// failing the scrape.
 async fn prometheus_metrics(
     State(state): State<AppState>,
 ) -> Result<Response<axum::body::Body>, ApiError> {
     let day = async {
         let client = state.pool.get().await?;
-        crate::db::llm_budget::day(&client).await
+        let day = crate::db::llm_budget::day(&client).await?;
+        let providers = crate::db::llm_budget::providers(&client).await?;
+        Ok::<_, crate::db::DbError>((day, providers))
     };
     match tokio::time::timeout(std::time::Duration::from_secs(2), day).await {
-        Ok(Ok(day)) => crate::metrics::llm_day(&day),
+        Ok(Ok((day, providers))) => {
+            crate::metrics::llm_day(&day);
+            crate::metrics::llm_providers(&providers);
+        }
         Ok(Err(e)) => tracing::debug!(error = %e, "/metrics: cannot read the day's tokens"),
         Err(_) => tracing::debug!("/metrics: the day's tokens took too long to read"),
     }

@@ -1,4 +1,5 @@
-//! What an LLM call is for ([`Priority`]) and what it spent ([`TokenUsage`]).
+//! What an LLM call is for ([`Priority`]), which provider answers it
+//! ([`Provider`]) and what it spent ([`TokenUsage`]).
 
 /// Which calls go first: `briefing` (the default of `POST /ai-articles`,
 /// and every pipeline run) before `feed`.
@@ -16,6 +17,44 @@ impl Priority {
         match self {
             Priority::Briefing => "briefing",
             Priority::Feed => "feed",
+        }
+    }
+}
+
+impl Priority {
+    /// The stored name; `None` for anything else.
+    pub fn parse(text: &str) -> Option<Priority> {
+        match text {
+            "briefing" => Some(Priority::Briefing),
+            "feed" => Some(Priority::Feed),
+            _ => None,
+        }
+    }
+}
+
+/// The LLM provider a call goes to: `NEWSNACK_LLM_URL`'s, or
+/// `NEWSNACK_LLM_FALLBACK_URL`'s while the primary is down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Provider {
+    Primary,
+    Fallback,
+}
+
+impl Provider {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Provider::Primary => "primary",
+            Provider::Fallback => "fallback",
+        }
+    }
+
+    /// The stored name; `None` for anything else.
+    pub fn parse(text: &str) -> Option<Provider> {
+        match text {
+            "primary" => Some(Provider::Primary),
+            "fallback" => Some(Provider::Fallback),
+            _ => None,
         }
     }
 }

@@ -21,7 +21,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::db::issue::ClaimedIssue;
-use crate::model::llm::TokenUsage;
+use crate::model::llm::{Provider, TokenUsage};
 
 pub use offline::OfflineWriter;
 pub use openai::OpenAiWriter;
@@ -35,6 +35,13 @@ pub const ENV_LLM_MODEL: &str = "NEWSNACK_LLM_MODEL";
 pub const ENV_LLM_API_KEY: &str = "NEWSNACK_LLM_API_KEY";
 /// Whole seconds one request may take; [`DEFAULT_TIMEOUT`] when unset or empty.
 pub const ENV_LLM_TIMEOUT_S: &str = "NEWSNACK_LLM_TIMEOUT_S";
+/// A second OpenAI-compatible API, called while the first is down; unset
+/// or empty: none.
+pub const ENV_LLM_FALLBACK_URL: &str = "NEWSNACK_LLM_FALLBACK_URL";
+/// The fallback's model; `NEWSNACK_LLM_MODEL`'s when unset or empty.
+pub const ENV_LLM_FALLBACK_MODEL: &str = "NEWSNACK_LLM_FALLBACK_MODEL";
+/// The fallback's key, sent as `Authorization: Bearer <key>` when set.
+pub const ENV_LLM_FALLBACK_API_KEY: &str = "NEWSNACK_LLM_FALLBACK_API_KEY";
 
 pub const DEFAULT_MODEL: &str = "gpt-4o-mini";
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -144,6 +151,20 @@ pub enum WriteErrorKind {
 }
 
 impl WriteErrorKind {
+    /// Whether the provider, not the request, failed: 429, 5xx, a timeout,
+    /// no connection, a broken one. Such a failure counts toward marking
+    /// the provider down, and the call may go to the fallback.
+    pub fn provider_down(self) -> bool {
+        matches!(
+            self,
+            WriteErrorKind::RateLimited
+                | WriteErrorKind::ServerError
+                | WriteErrorKind::Timeout
+                | WriteErrorKind::Connect
+                | WriteErrorKind::Transport
+        )
+    }
+
     /// Whether the model may have read the prompt, and so billed it: the
     /// request was sent and no refusal came back (a timeout, a broken
     /// connection, a 2xx answer that could not be used). A 429, 5xx, 4xx
@@ -284,7 +305,8 @@ impl WriteError {
 
 /// Something that writes an article about an issue.
 pub trait Writer: Send + Sync + 'static {
-    /// A short name recorded with each article (`"offline"`, or `"openai:<model>"`).
+    /// A short name recorded with each article: `"offline"`, or the
+    /// provider and the model (`"primary:<model>"`, `"fallback:<model>"`).
     fn name(&self) -> &str;
 
     /// Whether each write is a call to a language model, to be made within
@@ -314,6 +336,34 @@ pub trait Writer: Send + Sync + 'static {
 /// A writer shared by every task that generates articles.
 pub type SharedWriter = Arc<dyn Writer>;
 
+/// The writers of a service: the primary provider's, and the fallback's
+/// when one is configured.
+#[derive(Clone)]
+pub struct Writers {
+    pub primary: SharedWriter,
+    pub fallback: Option<SharedWriter>,
+}
+
+impl From<SharedWriter> for Writers {
+    /// One provider, no fallback.
+    fn from(primary: SharedWriter) -> Writers {
+        Writers {
+            primary,
+            fallback: None,
+        }
+    }
+}
+
+impl<W: Writer> From<Arc<W>> for Writers {
+    /// One provider, no fallback.
+    fn from(primary: Arc<W>) -> Writers {
+        Writers {
+            primary,
+            fallback: None,
+        }
+    }
+}
+
 /// How to reach the language model, if at all.
 #[derive(Clone, PartialEq, Eq)]
 pub struct WriterConfig {
@@ -323,6 +373,17 @@ pub struct WriterConfig {
     pub api_key: Option<String>,
     /// The most one request may take, connecting and reading included.
     pub timeout: Duration,
+    /// A second API, called while the first is down.
+    pub fallback: Option<FallbackConfig>,
+}
+
+/// Where the fallback provider lives (`NEWSNACK_LLM_FALLBACK_*`); the
+/// timeout is the primary's.
+#[derive(Clone, PartialEq, Eq)]
+pub struct FallbackConfig {
+    pub llm_url: String,
+    pub model: String,
+    pub api_key: Option<String>,
 }
 
 impl Default for WriterConfig {
@@ -333,6 +394,7 @@ impl Default for WriterConfig {
             model: DEFAULT_MODEL.to_string(),
             api_key: None,
             timeout: DEFAULT_TIMEOUT,
+            fallback: None,
         }
     }
 }
@@ -345,6 +407,18 @@ impl fmt::Debug for WriterConfig {
             .field("model", &self.model)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("timeout", &self.timeout)
+            .field("fallback", &self.fallback)
+            .finish()
+    }
+}
+
+/// Shows everything but the API key.
+impl fmt::Debug for FallbackConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FallbackConfig")
+            .field("llm_url", &self.llm_url)
+            .field("model", &self.model)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .finish()
     }
 }
@@ -363,6 +437,12 @@ pub enum WriterConfigError {
     EmptyModel,
     #[error("{ENV_LLM_API_KEY} holds characters an HTTP header cannot carry")]
     InvalidApiKey,
+    #[error("{ENV_LLM_FALLBACK_MODEL} must not be empty")]
+    EmptyFallbackModel,
+    #[error("{ENV_LLM_FALLBACK_API_KEY} holds characters an HTTP header cannot carry")]
+    InvalidFallbackApiKey,
+    #[error("{ENV_LLM_FALLBACK_URL} is set but {ENV_LLM_URL} is not: a fallback needs a primary provider")]
+    FallbackWithoutPrimary,
     #[error("{var} is not valid UTF-8")]
     NotUnicode { var: &'static str },
     #[error("cannot build the HTTP client: {0}")]
@@ -379,6 +459,9 @@ impl WriterConfig {
             ENV_LLM_MODEL,
             ENV_LLM_API_KEY,
             ENV_LLM_TIMEOUT_S,
+            ENV_LLM_FALLBACK_URL,
+            ENV_LLM_FALLBACK_MODEL,
+            ENV_LLM_FALLBACK_API_KEY,
         ] {
             if let Err(std::env::VarError::NotUnicode(_)) = std::env::var(var) {
                 return Err(WriterConfigError::NotUnicode { var });
@@ -407,11 +490,24 @@ impl WriterConfig {
             Some(value) => parse_timeout_s(&value)?,
             None => DEFAULT_TIMEOUT,
         };
+        let fallback = match set(ENV_LLM_FALLBACK_URL) {
+            Some(_) if llm_url.is_none() => return Err(WriterConfigError::FallbackWithoutPrimary),
+            Some(url) => {
+                parse_llm_url(&url).map_err(|e| e.for_fallback())?;
+                Some(FallbackConfig {
+                    llm_url: url,
+                    model: set(ENV_LLM_FALLBACK_MODEL).unwrap_or_else(|| model.clone()),
+                    api_key: set(ENV_LLM_FALLBACK_API_KEY),
+                })
+            }
+            None => None,
+        };
         Ok(WriterConfig {
             llm_url,
             model,
             api_key,
             timeout,
+            fallback,
         })
     }
 }
@@ -442,8 +538,56 @@ fn parse_timeout_s(value: &str) -> Result<Duration, WriterConfigError> {
 /// The OpenAI-compatible client when a URL is set, else the offline writer.
 pub fn build(config: &WriterConfig) -> Result<SharedWriter, WriterConfigError> {
     match config.llm_url.as_deref() {
-        Some(url) => Ok(Arc::new(OpenAiWriter::new(url, config)?)),
+        Some(url) => Ok(Arc::new(
+            OpenAiWriter::new(url, config)?.for_provider(Provider::Primary),
+        )),
         None => Ok(Arc::new(OfflineWriter)),
+    }
+}
+
+/// The writers `config` describes: [`build`]'s and [`build_fallback`]'s.
+pub fn build_all(config: &WriterConfig) -> Result<Writers, WriterConfigError> {
+    Ok(Writers {
+        primary: build(config)?,
+        fallback: build_fallback(config)?,
+    })
+}
+
+/// The fallback provider's client, when one is configured.
+pub fn build_fallback(config: &WriterConfig) -> Result<Option<SharedWriter>, WriterConfigError> {
+    let Some(fallback) = &config.fallback else {
+        return Ok(None);
+    };
+    let own = WriterConfig {
+        llm_url: Some(fallback.llm_url.clone()),
+        model: fallback.model.clone(),
+        api_key: fallback.api_key.clone(),
+        timeout: config.timeout,
+        fallback: None,
+    };
+    let writer = OpenAiWriter::new(&fallback.llm_url, &own)
+        .map_err(WriterConfigError::for_fallback)?
+        .for_provider(Provider::Fallback);
+    Ok(Some(Arc::new(writer)))
+}
+
+impl WriterConfigError {
+    /// The same problem, said of the fallback's variables.
+    fn for_fallback(self) -> WriterConfigError {
+        match self {
+            WriterConfigError::InvalidUrl { value, reason } => WriterConfigError::InvalidUrl {
+                value,
+                reason: format!("{reason} (in {ENV_LLM_FALLBACK_URL})"),
+            },
+            WriterConfigError::UnsupportedScheme { scheme } => {
+                WriterConfigError::UnsupportedScheme {
+                    scheme: format!("{scheme} (in {ENV_LLM_FALLBACK_URL})"),
+                }
+            }
+            WriterConfigError::EmptyModel => WriterConfigError::EmptyFallbackModel,
+            WriterConfigError::InvalidApiKey => WriterConfigError::InvalidFallbackApiKey,
+            other => other,
+        }
     }
 }
 
@@ -495,7 +639,7 @@ mod tests {
         assert_eq!(config.model, "llama3.2");
         assert_eq!(config.api_key.as_deref(), Some("sk-secret"));
         assert_eq!(config.timeout, Duration::from_secs(5));
-        assert_eq!(build(&config).unwrap().name(), "openai:llama3.2");
+        assert_eq!(build(&config).unwrap().name(), "primary:llama3.2");
     }
 
     #[test]

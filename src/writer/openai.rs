@@ -138,6 +138,13 @@ impl OpenAiWriter {
         })
     }
 
+    /// Names the writer after `provider` and its model, as articles record
+    /// it (`primary:<model>`, `fallback:<model>`).
+    pub fn for_provider(mut self, provider: crate::model::llm::Provider) -> Self {
+        self.name = format!("{}:{}", provider.as_str(), self.model);
+        self
+    }
+
     /// Where requests go: `{base_url}/chat/completions`.
     pub fn endpoint(&self) -> &Url {
         &self.endpoint

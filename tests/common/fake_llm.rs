@@ -118,6 +118,28 @@ impl FakeLlm {
             model: "fake-model".into(),
             api_key: None,
             timeout,
+            fallback: None,
+        })
+        .unwrap()
+    }
+
+    /// The project's writers: this fake as the primary provider and
+    /// `fallback` as the fallback, each with its own model name.
+    pub fn writers_with_fallback(
+        &self,
+        fallback: &FakeLlm,
+        timeout: std::time::Duration,
+    ) -> newsnack::writer::Writers {
+        newsnack::writer::build_all(&newsnack::writer::WriterConfig {
+            llm_url: Some(self.url.clone()),
+            model: "fake-model".into(),
+            api_key: None,
+            timeout,
+            fallback: Some(newsnack::writer::FallbackConfig {
+                llm_url: fallback.url.clone(),
+                model: "fallback-model".into(),
+                api_key: None,
+            }),
         })
         .unwrap()
     }

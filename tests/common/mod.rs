@@ -28,7 +28,7 @@ use newsnack::generation::retry::RetryScope;
 use newsnack::generation::worker::{Generator, GeneratorHandle};
 use newsnack::serve::{Core, RunningService, ServeOptions};
 use newsnack::settings::SettingsCache;
-use newsnack::writer::{OfflineWriter, SharedWriter};
+use newsnack::writer::{OfflineWriter, SharedWriter, Writers};
 use tokio_postgres::{Client, NoTls};
 use tokio_util::sync::CancellationToken;
 
@@ -367,7 +367,7 @@ impl TestDb {
 
     /// Starts the whole service in-process on a free port, with `writer`:
     /// the plain service every test starts unless it says otherwise.
-    pub async fn serve(&self, instance: &str, writer: SharedWriter) -> RunningService {
+    pub async fn serve(&self, instance: &str, writer: impl Into<Writers>) -> RunningService {
         self.serve_with(instance, writer, Setup::default()).await
     }
 
@@ -376,7 +376,7 @@ impl TestDb {
     pub async fn serve_with(
         &self,
         instance: &str,
-        writer: SharedWriter,
+        writer: impl Into<Writers>,
         setup: Setup,
     ) -> RunningService {
         start_service(&self.url, instance, writer, setup).await
@@ -628,7 +628,7 @@ impl Setup {
 pub async fn start_service(
     database_url: &str,
     instance: &str,
-    writer: SharedWriter,
+    writer: impl Into<Writers>,
     setup: Setup,
 ) -> RunningService {
     newsnack::serve::start(setup.options(database_url, instance), writer)
