@@ -32,7 +32,8 @@ CREATE TABLE @extschema@.llm_provider (
     down_until    timestamptz,
     last_error    text,
     last_error_at timestamptz,
-    changed_at    timestamptz NOT NULL DEFAULT now()
+    -- When its state last changed; NULL: never.
+    changed_at    timestamptz
 );
 INSERT INTO @extschema@.llm_provider (provider) VALUES ('primary'), ('fallback');
 

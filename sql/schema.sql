@@ -239,7 +239,7 @@ CREATE TABLE @extschema@.llm_provider (
     down_until    timestamptz,
     last_error    text,
     last_error_at timestamptz,
-    changed_at    timestamptz NOT NULL DEFAULT now()
+    changed_at    timestamptz
 );
 
 -- The tokens each day spent (the day in the `timezone` setting), every

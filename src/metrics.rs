@@ -389,20 +389,15 @@ pub fn llm_call_finished(
     }
 }
 
-/// Each provider's state as every instance sees it, read from the
-/// database at this scrape.
-pub fn llm_providers(providers: &[crate::db::llm_budget::ProviderView]) {
+/// A provider's state as every instance sees it, read from the database
+/// at this scrape: `up` 1, 0.5 while probing, 0 down; failed calls in a
+/// row; calls in flight.
+pub fn llm_provider(provider: crate::model::llm::Provider, up: f64, failures: i64, in_flight: i64) {
     let _ = install();
-    for p in providers {
-        let provider = p.provider.as_str();
-        gauge!(LLM_PROVIDER_UP, "provider" => provider).set(match p.state {
-            "up" => 1.0,
-            "probing" => 0.5,
-            _ => 0.0,
-        });
-        gauge!(LLM_PROVIDER_FAILURES, "provider" => provider).set(p.failures as f64);
-        gauge!(LLM_PROVIDER_IN_FLIGHT, "provider" => provider).set(p.in_flight as f64);
-    }
+    let provider = provider.as_str();
+    gauge!(LLM_PROVIDER_UP, "provider" => provider).set(up);
+    gauge!(LLM_PROVIDER_FAILURES, "provider" => provider).set(failures as f64);
+    gauge!(LLM_PROVIDER_IN_FLIGHT, "provider" => provider).set(in_flight as f64);
 }
 
 /// The LLM reported `usage` for a call of this process.
@@ -470,16 +465,14 @@ pub fn llm_paused(remaining: Duration) {
     gauge!(LLM_PAUSED_UNTIL).set(until);
 }
 
-/// The day's tokens and what the day's budget holds, as the database said
-/// at this scrape.
-pub fn llm_day(day: &crate::db::llm_budget::DayView) {
-    use crate::db::llm_budget::Held;
+/// The day's tokens, the day's budget, and whether it holds feed calls
+/// and briefing calls, as the database said at this scrape.
+pub fn llm_day(tokens: i64, budget: i64, holds_feed: bool, holds_briefing: bool) {
     let _ = install();
-    gauge!(LLM_TOKENS_TODAY).set(day.tokens as f64);
-    gauge!(LLM_DAILY_TOKEN_BUDGET).set(day.budget as f64);
-    let held = |class| f64::from(u8::from(class));
-    gauge!(LLM_HELD, "class" => "feed").set(held(day.held.is_some()));
-    gauge!(LLM_HELD, "class" => "briefing").set(held(day.held == Some(Held::All)));
+    gauge!(LLM_TOKENS_TODAY).set(tokens as f64);
+    gauge!(LLM_DAILY_TOKEN_BUDGET).set(budget as f64);
+    gauge!(LLM_HELD, "class" => "feed").set(f64::from(u8::from(holds_feed)));
+    gauge!(LLM_HELD, "class" => "briefing").set(f64::from(u8::from(holds_briefing)));
 }
 
 /// The pause seen is over.

@@ -117,6 +117,12 @@ async fn dashboard_json_has_the_documented_shape_as_of_one_log_position() {
             "tokens_latest_briefing": {"prompt": 0, "completion": 0},
             "day": {"tokens": 0, "budget": 0, "briefing_reserve": 0, "timezone": "UTC",
                     "held": null, "state": null},
+            "providers": [
+                {"provider": "primary", "state": "up", "failures": 0, "down_until": null,
+                 "last_error": null, "last_error_at": null, "in_flight": 0},
+                {"provider": "fallback", "state": "up", "failures": 0, "down_until": null,
+                 "last_error": null, "last_error_at": null, "in_flight": 0},
+            ],
         })
     );
     assert_eq!(

@@ -130,8 +130,21 @@ async fn prometheus_metrics(
     };
     match tokio::time::timeout(std::time::Duration::from_secs(2), day).await {
         Ok(Ok((day, providers))) => {
-            crate::metrics::llm_day(&day);
-            crate::metrics::llm_providers(&providers);
+            use crate::db::llm_budget::Held;
+            crate::metrics::llm_day(
+                day.tokens,
+                day.budget,
+                day.held.is_some(),
+                day.held == Some(Held::All),
+            );
+            for p in providers {
+                let up = match p.state {
+                    "up" => 1.0,
+                    "probing" => 0.5,
+                    _ => 0.0,
+                };
+                crate::metrics::llm_provider(p.provider, up, p.failures, p.in_flight);
+            }
         }
         Ok(Err(e)) => tracing::debug!(error = %e, "/metrics: cannot read the day's tokens"),
         Err(_) => tracing::debug!("/metrics: the day's tokens took too long to read"),

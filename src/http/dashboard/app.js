@@ -301,6 +301,13 @@
         ? number(day.tokens) + " of " + number(day.budget) + " tokens spent today (" + day.timezone + "), " +
           number(day.briefing_reserve) + " kept for the briefing"
         : number(day.tokens) + " tokens spent today (" + day.timezone + "), no daily budget";
+    $("llm-providers").textContent = (llm.providers || [])
+      .map((p) => {
+        let text = p.provider + ": " + p.state + ", " + number(p.in_flight) + " in flight";
+        if (p.state !== "up" && p.last_error) text += " (" + p.last_error + ")";
+        return text;
+      })
+      .join(" · ");
     const held = $("llm-held");
     held.hidden = !day.state;
     held.textContent = day.state ? "Daily token budget: " + day.state : "";
