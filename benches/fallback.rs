@@ -313,9 +313,11 @@ async fn primary_flaky(cluster: &EmbeddedPostgres, call: Duration) -> Value {
     for service in services {
         service.stop().await.unwrap();
     }
-    let seen = primary.seen.lock().unwrap();
-    let (first, last) = (seen.changes[0].0, seen.last_arrival.unwrap());
-    let utilisation = average_in_flight(&seen.changes, first, last) / limit as f64;
+    let utilisation = {
+        let seen = primary.seen.lock().unwrap();
+        let (first, last) = (seen.changes[0].0, seen.last_arrival.unwrap());
+        average_in_flight(&seen.changes, first, last) / limit as f64
+    };
     let by: serde_json::Map<String, Value> = sql
         .query(
             "SELECT writer, count(*) FROM ai_article GROUP BY writer ORDER BY writer",
