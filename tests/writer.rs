@@ -74,7 +74,7 @@ async fn a_good_answer_becomes_headline_and_body() {
     )
     .await;
     let writer = client(&fake.url);
-    assert_eq!(writer.name(), "openai:test-model");
+    assert_eq!(writer.name(), "primary:test-model");
 
     let article = write(&writer).await.unwrap();
     assert_eq!(
