@@ -376,7 +376,10 @@ pub async fn start(
         let socket = axum::serve::ListenerExt::tap_io(socket, |tcp| {
             let _ = tcp.set_nodelay(true);
         });
-        axum::serve(socket, app)
+        // Made into a service once: serving the router itself would build
+        // its routing table again for every connection (about 10 KB each,
+        // held as long as the connection, e.g. by an open wait).
+        axum::serve(socket, app.into_make_service())
             .with_graceful_shutdown(async move { stop_http.cancelled().await })
             .await
     });
