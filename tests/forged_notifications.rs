@@ -131,6 +131,7 @@ async fn the_event_stream_the_tail_and_a_wait_see_only_the_log() {
     until_published(&service.hub, start).await;
     let base = format!("http://{}", service.addr);
     let subscribers = service.hub.subscriber_count();
+    let watches = service.hub.watch_count();
     let sse = Recording::follow_sse("sse", vec![base.clone()], start);
     let tail = Recording::follow_tail("tail", &db.url, start);
     let http = reqwest::Client::new();
@@ -147,8 +148,8 @@ async fn the_event_stream_the_tail_and_a_wait_see_only_the_log() {
                 .unwrap()
         })
     };
-    // The forgeries must come after the stream and the wait subscribed
-    // (both subscribe to the hub), and after the tail's listener started
+    // The forgeries must come after the stream subscribed and the wait
+    // watches its target, and after the tail's listener started
     // (its pool session and its listening session are up).
     let tail_sessions = format!(
         "SELECT count(*) FROM pg_stat_activity
@@ -156,7 +157,8 @@ async fn the_event_stream_the_tail_and_a_wait_see_only_the_log() {
         db.name
     );
     within(30, "the stream, the wait and the tail to follow", async {
-        while service.hub.subscriber_count() < subscribers + 2
+        while service.hub.subscriber_count() < subscribers + 1
+            || service.hub.watch_count() < watches + 1
             || db.scalar_i64(&tail_sessions).await < 2
         {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;

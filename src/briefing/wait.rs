@@ -16,13 +16,18 @@
 //! the same rule early once no target can still change (each is `DONE` or
 //! `FAILED` with no automatic retry left).
 //!
-//! It subscribes to the listener first, then reads the targets' state and
-//! the log position in one snapshot, so no transition can fall between;
-//! from then on it only consumes transitions (the NOTIFY payload carries
-//! attempts and whether a failure is fatal), never polling. The stream is
-//! gapless across listener reconnects (the listener catches up from the log,
-//! and a lagging stream re-reads it), so nothing is re-read mid-wait. Any
-//! number of waits share the process's one listener.
+//! It opens a watch on its targets first, then reads their state and the
+//! log position in one snapshot, so no transition can fall between; from
+//! then on it only takes in what the publisher routes to the watch (the
+//! NOTIFY payload carries attempts and whether a failure is fatal), never
+//! polling. Only the targets' transitions reach it, the newest of each, so
+//! it cannot fall behind however busy the log is; the listener catches up
+//! from the log across reconnects, so nothing is missed. Any number of
+//! waits share the process's one listener.
+//!
+//! Each target's state carries the `seq` it is as of (a snapshot's log
+//! position, or the transition's own), and newer replaces older, whichever
+//! way it came.
 //!
 //! Two reads are bounded. The first snapshot gives up at the timeout (at
 //! least [`LAST_LOOK_LIMIT`]), so a lock held on the table cannot hold a
@@ -30,9 +35,9 @@
 //! targets once more (within [`LAST_LOOK_LIMIT`]): a listener that is behind
 //! at that moment (reconnecting, or on a connection that has silently died
 //! and is not yet found out) must not turn articles that are `DONE` into a
-//! skip. A snapshot newer than the stream's position replaces what the
-//! stream said; a read that fails or is slow leaves the decision to what is
-//! known. A wait that resolves before its deadline issues no query at all.
+//! skip. A read that fails or is slow leaves the decision to what is known.
+//! A wait that resolves before its deadline issues no query after its
+//! first.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -43,8 +48,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, DbError, DbPool};
 use crate::events::hub::EventHub;
-use crate::events::stream::{StreamError, TransitionStream};
+use crate::events::issue_watch::{IssueWatch, ListenerStopped};
 use crate::model::status::Status;
+use crate::model::transition::Transition;
 
 /// How a wait ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
@@ -93,7 +99,7 @@ pub enum WaitError {
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
-    Stream(#[from] StreamError),
+    ListenerStopped(#[from] ListenerStopped),
     #[error("the service is shutting down")]
     ShuttingDown,
 }
@@ -180,6 +186,8 @@ struct Target {
     status: Status,
     attempts: i32,
     fatal: bool,
+    /// The log position this state is as of.
+    seq: i64,
 }
 
 impl Target {
@@ -202,7 +210,7 @@ pub const LAST_LOOK_LIMIT: Duration = Duration::from_secs(1);
 pub struct ArmedWait {
     request: WaitRequest,
     targets: BTreeMap<i64, Target>,
-    stream: TransitionStream,
+    watch: IssueWatch,
     pool: DbPool,
     started: Instant,
     /// Counts the wait in `newsnack_waits_open` while it lives.
@@ -210,21 +218,23 @@ pub struct ArmedWait {
 }
 
 impl ArmedWait {
-    /// Subscribes, then reads the targets and the log position together,
-    /// giving up at the timeout ([`DbError::TimedOut`]).
+    /// Watches the targets, then reads them and the log position
+    /// together, giving up at the timeout ([`DbError::TimedOut`]).
     pub async fn arm(hub: &EventHub, request: WaitRequest) -> Result<ArmedWait, WaitError> {
         let started = Instant::now();
-        let live = hub.subscribe();
+        let watch = hub.watch_issues(&request.issue_ids);
         let limit = request.timeout.max(LAST_LOOK_LIMIT);
-        let (targets, seq) = read_targets(hub.pool(), &request.issue_ids, limit).await?;
-        Ok(ArmedWait {
-            stream: TransitionStream::live_after(hub.pool().clone(), live, seq),
+        let targets = read_targets(hub.pool(), &request.issue_ids, limit).await?;
+        let mut armed = ArmedWait {
+            watch,
             targets,
             pool: hub.pool().clone(),
             request,
             started,
             _open: crate::metrics::wait_open(),
-        })
+        };
+        armed.take_delivered();
+        Ok(armed)
     }
 
     /// Waits for the outcome (or for `cancel`, which abandons the wait).
@@ -266,11 +276,9 @@ impl ArmedWait {
                     decision.handle(&WaitEvent::Deadline { done: self.done_count() });
                 }
                 _ = cancel.cancelled() => return Err(WaitError::ShuttingDown),
-                // A failed log read (a wait that fell behind) is retried
-                // until the deadline decides on what is known by then.
-                next = self.stream.next_through_outages() => {
-                    let t = next?;
-                    if self.take_in(&t) {
+                delivered = self.watch.delivered() => {
+                    delivered?;
+                    if self.take_delivered() {
                         decision.handle(&self.progress());
                     }
                 }
@@ -289,38 +297,56 @@ impl ArmedWait {
         Ok(self.report(outcome))
     }
 
-    /// Records a transition of one of the targets; false for other issues.
-    fn take_in(&mut self, t: &crate::model::transition::Transition) -> bool {
-        let Some(target) = self.targets.get_mut(&t.issue_id) else {
-            return false;
-        };
-        *target = Target {
-            status: t.to,
-            attempts: t.attempts,
-            fatal: t.fatal,
-        };
-        true
+    /// Takes in what the watch holds; true if a target changed.
+    fn take_delivered(&mut self) -> bool {
+        let mut changed = false;
+        for t in self.watch.take() {
+            changed |= self.take_in(&t);
+        }
+        changed
     }
 
-    /// At the deadline: takes in what the stream already holds, then reads
-    /// the targets once, within [`LAST_LOOK_LIMIT`]; a snapshot newer than
-    /// the stream's position replaces what the stream said.
-    async fn last_look(&mut self) {
-        while let Some(t) = self.stream.try_next() {
-            self.take_in(&t);
-        }
-        match read_targets(&self.pool, &self.request.issue_ids, LAST_LOOK_LIMIT).await {
-            Ok((targets, seq)) if seq > self.stream.last_seq() => {
-                tracing::info!(
-                    stream_at = self.stream.last_seq(),
-                    database_at = seq,
-                    "the transition stream was behind at the wait's deadline; deciding on the database's view"
-                );
-                self.targets = targets;
+    /// Records a transition of one of the targets, unless what is known of
+    /// it is as new; true if it was recorded.
+    fn take_in(&mut self, t: &Transition) -> bool {
+        match self.targets.get_mut(&t.issue_id) {
+            Some(target) if t.seq > target.seq => {
+                *target = Target {
+                    status: t.to,
+                    attempts: t.attempts,
+                    fatal: t.fatal,
+                    seq: t.seq,
+                };
+                true
             }
-            Ok(_) => {}
+            _ => false,
+        }
+    }
+
+    /// At the deadline: takes in what the watch holds, then reads the
+    /// targets once, within [`LAST_LOOK_LIMIT`]; what the read says of a
+    /// target replaces what is known when it is newer.
+    async fn last_look(&mut self) {
+        self.take_delivered();
+        match read_targets(&self.pool, &self.request.issue_ids, LAST_LOOK_LIMIT).await {
+            Ok(read) => {
+                let mut behind = 0;
+                for (id, now) in read {
+                    let known = self.targets.get_mut(&id).expect("the same targets");
+                    if now.seq > known.seq {
+                        behind += usize::from(now.status != known.status);
+                        *known = now;
+                    }
+                }
+                if behind > 0 {
+                    tracing::info!(
+                        targets = behind,
+                        "the listener was behind at the wait's deadline; deciding on the database's view"
+                    );
+                }
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read the wait's targets at its deadline; deciding on what the stream said")
+                tracing::warn!(error = %e, "cannot read the wait's targets at its deadline; deciding on what the listener said")
             }
         }
     }
@@ -389,12 +415,13 @@ pub async fn smart_wait_deciding_early(
     armed.resolve(decide_now, cancel).await
 }
 
-/// The targets' state and the log position, in one snapshot, within `limit`.
+/// The targets' state as of the log position, in one snapshot, within
+/// `limit`.
 async fn read_targets(
     pool: &DbPool,
     ids: &[i64],
     limit: Duration,
-) -> Result<(BTreeMap<i64, Target>, i64), WaitError> {
+) -> Result<BTreeMap<i64, Target>, WaitError> {
     let wanted = ids.to_vec();
     let (rows, seq) = db::bounded(pool, limit, move |client| {
         Box::pin(async move { db::issue::wait_targets(client, &wanted).await })
@@ -409,6 +436,7 @@ async fn read_targets(
                     status: r.status,
                     attempts: r.attempts,
                     fatal: r.never,
+                    seq,
                 },
             )
         })
@@ -423,7 +451,7 @@ async fn read_targets(
     if !unknown.is_empty() {
         return Err(WaitError::UnknownIds(unknown));
     }
-    Ok((targets, seq))
+    Ok(targets)
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! The subscriber side of the listener: what every task of a process gets
 //! from its one LISTEN connection. [`EventHub`] hands out transitions (live,
 //! or as gapless streams that recover from the log), where a late reader
-//! starts, setting changes, issue removals, the LLM budget's doorbells and
+//! starts, transitions of a few issues routed to a watch of them, setting
+//! changes, issue removals, the LLM budget's doorbells and
 //! the listener's status. `Publisher` is the other end, held by
 //! [`crate::events::listener::Listener`]: it sends into the hub and never
 //! reads from it.
@@ -14,6 +15,7 @@ use tokio::sync::{broadcast, watch};
 use tokio_util::sync::DropGuard;
 
 use crate::db::{self, DbPool};
+use crate::events::issue_watch::{IssueWatch, IssueWatches};
 use crate::events::stream::TransitionStream;
 use crate::model::transition::Transition;
 
@@ -64,6 +66,7 @@ pub struct EventHub {
 
 struct HubInner {
     events: broadcast::Sender<Transition>,
+    watches: Arc<IssueWatches>,
     published: Arc<PublishTimes>,
     status: watch::Receiver<ListenerStatus>,
     settings_changed: watch::Receiver<u64>,
@@ -80,6 +83,7 @@ struct HubInner {
 /// it.
 pub(crate) struct Publisher {
     events: broadcast::Sender<Transition>,
+    watches: Arc<IssueWatches>,
     published: Arc<PublishTimes>,
     status: watch::Sender<ListenerStatus>,
     settings_changed: watch::Sender<u64>,
@@ -103,8 +107,10 @@ impl EventHub {
         let (removed_tx, removed_rx) = watch::channel(0);
         let (budget_doorbells, _) = broadcast::channel(BUDGET_DOORBELL_CAPACITY);
         let published = Arc::new(PublishTimes::default());
+        let watches = Arc::new(IssueWatches::default());
         let publisher = Publisher {
             events: events.clone(),
+            watches: watches.clone(),
             published: published.clone(),
             status: status_tx,
             settings_changed: settings_tx,
@@ -114,6 +120,7 @@ impl EventHub {
         let hub = EventHub {
             inner: Arc::new(HubInner {
                 events,
+                watches,
                 published,
                 status: status_rx,
                 settings_changed: settings_rx,
@@ -139,6 +146,12 @@ impl EventHub {
     /// falls behind.
     pub fn stream_after(&self, seq: i64, issue_id: Option<i64>) -> TransitionStream {
         TransitionStream::new(self.inner.pool.clone(), self.subscribe(), seq, issue_id)
+    }
+
+    /// The transitions of `issues` from now on, and only theirs (see
+    /// [`crate::events::issue_watch`]).
+    pub fn watch_issues(&self, issues: &[i64]) -> IssueWatch {
+        self.inner.watches.watch(issues)
     }
 
     /// Where a reader (an SSE client, `newsnack tail`) asking to start
@@ -229,6 +242,11 @@ impl EventHub {
         self.inner.events.receiver_count()
     }
 
+    /// The number of open [`EventHub::watch_issues`] watches.
+    pub fn watch_count(&self) -> usize {
+        self.inner.watches.open()
+    }
+
     /// The pool the log is read through.
     pub fn pool(&self) -> &DbPool {
         &self.inner.pool
@@ -250,6 +268,7 @@ impl Publisher {
         for t in transitions {
             crate::metrics::transition_published(t.from, t.to);
             last = Some(t.seq);
+            self.watches.deliver(&t);
             // No subscribers is fine: the log keeps everything.
             let _ = self.events.send(t);
         }
@@ -279,6 +298,13 @@ impl Publisher {
     pub(crate) fn ring_budget_doorbell(&self, payload: &str) {
         // Nobody listening is fine: no calls wait here.
         let _ = self.budget_doorbells.send(payload.to_string());
+    }
+}
+
+impl Drop for Publisher {
+    /// Waits on a watch learn that the listener is gone.
+    fn drop(&mut self) {
+        self.watches.close();
     }
 }
 

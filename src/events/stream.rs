@@ -1,5 +1,5 @@
 //! A gapless, resumable stream of transitions for one consumer (the tail,
-//! an SSE client, a wait): history from the log, then live from the
+//! an SSE client, the retry scheduler): history from the log, then live from the
 //! listener, and back to the log whenever the consumer falls behind.
 //!
 //! It subscribes to the live feed *before* reading the log, so every
@@ -76,20 +76,6 @@ impl TransitionStream {
         }
     }
 
-    /// A stream that needs no history: the caller subscribed `live` before
-    /// reading state as of `after_seq` in one snapshot, so every later
-    /// transition will arrive live. Starts without touching the database.
-    pub(crate) fn live_after(
-        pool: DbPool,
-        live: broadcast::Receiver<Transition>,
-        after_seq: i64,
-    ) -> Self {
-        TransitionStream {
-            reading_log: false,
-            ..TransitionStream::new(pool, live, after_seq, None)
-        }
-    }
-
     /// The `seq` of the last transition delivered (or the starting point).
     pub fn last_seq(&self) -> i64 {
         self.last_seq
@@ -99,7 +85,7 @@ impl TransitionStream {
     /// failed log read is retried with capped backoff (the stream resumes
     /// where it was, so nothing is lost or repeated). Fails only when the
     /// listener has stopped. For followers that must not give up on one
-    /// failed read (the retry scheduler, smart waits, the tail). Cancel-safe.
+    /// failed read (the retry scheduler, the tail). Cancel-safe.
     pub async fn next_through_outages(&mut self) -> Result<Transition, StreamError> {
         loop {
             if let StreamItem::Transition(t) = self.next_item_through_outages().await? {
