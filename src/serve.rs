@@ -84,7 +84,7 @@ pub struct RunningService {
     pub hub: EventHub,
     shutdown: CancellationToken,
     core: Core,
-    http: tokio::task::JoinHandle<Result<(), std::io::Error>>,
+    http: tokio::task::JoinHandle<()>,
     /// How long open connections may take to finish after shutdown begins.
     http_drain: Duration,
     embedded: Option<EmbeddedPostgres>,
@@ -107,7 +107,7 @@ impl RunningService {
             Err(_) => {
                 tracing::warn!(grace = ?self.http_drain, "connections still open after the grace period; closing them");
                 self.http.abort();
-                Ok(Ok(()))
+                Ok(())
             }
         };
         // Close pooled sessions before the embedded server goes away.
@@ -117,11 +117,7 @@ impl RunningService {
                 .await
                 .ok();
         }
-        match http {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(ServeError::Http(e)),
-            Err(e) => Err(ServeError::Http(std::io::Error::other(e))),
-        }
+        http.map_err(|e| ServeError::Http(std::io::Error::other(e)))
     }
 
     /// Requests shutdown and waits for it.
@@ -369,20 +365,7 @@ pub async fn start(
             source,
         })?;
     let addr = socket.local_addr().map_err(ServeError::Http)?;
-    let stop_http = shutdown.clone();
-    let http = tokio::spawn(async move {
-        // TCP_NODELAY: a small write (an SSE event) goes out at once instead
-        // of waiting for the client's delayed ACK (up to 40 ms).
-        let socket = axum::serve::ListenerExt::tap_io(socket, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        // Made into a service once: serving the router itself would build
-        // its routing table again for every connection (about 10 KB each,
-        // held as long as the connection, e.g. by an open wait).
-        axum::serve(socket, app.into_make_service())
-            .with_graceful_shutdown(async move { stop_http.cancelled().await })
-            .await
-    });
+    let http = tokio::spawn(http::server::serve(socket, app, shutdown.clone()));
     tracing::info!(%addr, instance = %options.instance, "newsnack is serving");
     Ok(RunningService {
         addr,

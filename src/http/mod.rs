@@ -18,6 +18,7 @@ pub mod events;
 pub mod health;
 pub mod issues;
 pub mod openapi;
+pub mod server;
 pub mod types;
 pub mod waits;
 
