@@ -6,6 +6,13 @@ use clap::Parser;
 use newsnack::cli::{self, Cli};
 use newsnack::logging;
 
+/// jemalloc, not the C library's allocator: it keeps no header beside each
+/// block, so the part of a buffer never written (most of the 16 KB hyper
+/// gives every connection while its request waits) is never resident.
+/// docs/performance.md "wait_memory" measures it.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo speaks for itself; everything else logs warnings and info.

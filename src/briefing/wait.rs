@@ -271,7 +271,7 @@ impl ArmedWait {
                 _ = &mut early, if !decided_early => {
                     decided_early = true;
                     tracing::info!("deciding the wait now, before its deadline, on what is done");
-                    self.last_look().await;
+                    Box::pin(self.last_look()).await;
                     decision.handle(&self.progress());
                     decision.handle(&WaitEvent::Deadline { done: self.done_count() });
                 }
@@ -283,7 +283,7 @@ impl ArmedWait {
                     }
                 }
                 _ = &mut deadline => {
-                    self.last_look().await;
+                    Box::pin(self.last_look()).await;
                     decision.handle(&self.progress());
                     decision.handle(&WaitEvent::Deadline { done: self.done_count() });
                 }
@@ -324,7 +324,8 @@ impl ArmedWait {
     }
 
     /// At the deadline: takes in what the watch holds, then reads the
-    /// targets once, within [`LAST_LOOK_LIMIT`]; what the read says of a
+    /// targets once (its future is boxed where it is awaited: inline, the
+    /// read would make every open wait that much bigger), within [`LAST_LOOK_LIMIT`]; what the read says of a
     /// target replaces what is known when it is newer.
     async fn last_look(&mut self) {
         self.take_delivered();

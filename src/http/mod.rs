@@ -31,6 +31,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderValue, Request, Response};
 use axum::routing::get;
 use axum::Router;
+use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
@@ -85,7 +86,7 @@ pub struct Services {
 pub fn router(services: Services) -> Router {
     let state = AppState(Arc::new(services));
     let token = auth::ApiToken::new(state.api_token.as_deref());
-    Router::new()
+    let routes = Router::new()
         .merge(issues::router())
         .merge(articles::router())
         .merge(health::router())
@@ -97,23 +98,28 @@ pub fn router(services: Services) -> Router {
         .route("/metrics", get(prometheus_metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .layer(axum::middleware::from_fn_with_state(
-            token,
-            auth::require_token,
-        ))
-        .layer(CatchPanicLayer::custom(panic_response))
-        // Layers added later wrap the earlier ones: the id is set first,
-        // then the span opens, and the id is copied onto every response
-        // (401s included).
-        .layer(PropagateRequestIdLayer::x_request_id())
+        .with_state(state);
+    // Around the routed app as one service, outermost first: the id is set,
+    // then the span opens, and the id is copied onto every response (401s
+    // included). Not `Router::layer`, which wraps every route on its own
+    // and boxes each layer's future per request: an open request (a wait)
+    // held them all.
+    let app = ServiceBuilder::new()
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(request_span)
                 .on_response(log_response),
         )
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
-        .with_state(state)
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(CatchPanicLayer::custom(panic_response))
+        .layer(axum::middleware::from_fn_with_state(
+            token,
+            auth::require_token,
+        ))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .service(routes);
+    Router::new().fallback_service(app)
 }
 
 /// `GET /metrics`: the Prometheus text format. The day's tokens and the
