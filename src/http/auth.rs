@@ -18,13 +18,13 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Request, State};
+use axum::body::Body;
 use axum::http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
-use axum::http::{HeaderMap, HeaderValue, Method};
-use axum::middleware::Next;
+use axum::http::{HeaderMap, HeaderValue, Method, Request};
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+use tower_http::validate_request::ValidateRequest;
 
 use super::ApiError;
 
@@ -114,19 +114,18 @@ fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {
     Ok(token)
 }
 
-/// The middleware (`axum::middleware::from_fn_with_state` with an
-/// [`ApiToken`]): refuses unauthenticated non-read requests with 401.
-pub async fn require_token(
-    State(token): State<ApiToken>,
-    request: Request,
-    next: Next,
-) -> Response {
-    if is_read_only(request.method()) {
-        return next.run(request).await;
-    }
-    match token.check(request.headers()) {
-        Ok(()) => next.run(request).await,
-        Err(reason) => {
+/// The check in front of every route (`ValidateRequestHeaderLayer::custom`
+/// with an [`ApiToken`]): refuses unauthenticated non-read requests with
+/// 401. It decides before the request goes on, so it adds no future of its
+/// own to a request that stays open.
+impl<B> ValidateRequest<B> for ApiToken {
+    type ResponseBody = Body;
+
+    fn validate(&mut self, request: &mut Request<B>) -> Result<(), Response> {
+        if is_read_only(request.method()) {
+            return Ok(());
+        }
+        self.check(request.headers()).map_err(|reason| {
             tracing::warn!(method = %request.method(), path = request.uri().path(), %reason, "refused: not authenticated");
             crate::metrics::auth_rejected();
             let mut response = ApiError::Unauthorized.into_response();
@@ -134,7 +133,7 @@ pub async fn require_token(
                 .headers_mut()
                 .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             response
-        }
+        })
     }
 }
 

@@ -35,6 +35,7 @@ use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
+use tower_http::validate_request::ValidateRequestHeaderLayer;
 
 pub use error::ApiError;
 
@@ -113,10 +114,7 @@ pub fn router(services: Services) -> Router {
         )
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(CatchPanicLayer::custom(panic_response))
-        .layer(axum::middleware::from_fn_with_state(
-            token,
-            auth::require_token,
-        ))
+        .layer(ValidateRequestHeaderLayer::custom(token))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .service(routes);
     Router::new().fallback_service(app)
