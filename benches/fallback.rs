@@ -32,7 +32,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{connect, knob, round3};
+use common::{average_in_flight, connect, knob, round3};
 use newsnack::db::issue::{insert_issues, NewIssue};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::serve::{RunningService, ServeOptions};
@@ -121,25 +121,6 @@ async fn start_fake(mode: Mode, call: Duration) -> (Arc<Fake>, SocketAddr) {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     (fake, addr)
-}
-
-/// Calls in flight averaged over `[from, to]`, from a fake's changes.
-fn average_in_flight(changes: &[(Instant, u64)], from: Instant, to: Instant) -> f64 {
-    let mut area = 0.0;
-    let mut level = 0u64;
-    let mut at = from;
-    for &(when, now) in changes {
-        if when > to {
-            break;
-        }
-        if when > at {
-            area += level as f64 * (when - at).as_secs_f64();
-            at = when;
-        }
-        level = now;
-    }
-    area += level as f64 * (to - at).as_secs_f64();
-    area / (to - from).as_secs_f64()
 }
 
 fn epoch_s(at: SystemTime) -> f64 {

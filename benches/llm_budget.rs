@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{connect, knob, round1, round3};
+use common::{average_in_flight, connect, knob, round1, round3};
 use newsnack::db::issue::{insert_issues, NewIssue};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::model::status::Status;
@@ -161,25 +161,6 @@ async fn claim(http: &reqwest::Client, service: &RunningService, ids: &[i64], pr
         .await
         .unwrap();
     assert_eq!(response.status(), 202);
-}
-
-/// Calls in flight averaged over `[from, to]`, from the fake's changes.
-fn average_in_flight(changes: &[(Instant, u64)], from: Instant, to: Instant) -> f64 {
-    let mut area = 0.0;
-    let mut level = 0u64;
-    let mut at = from;
-    for &(when, now) in changes {
-        if when > to {
-            break;
-        }
-        if when > at {
-            area += level as f64 * (when - at).as_secs_f64();
-            at = when;
-        }
-        level = now;
-    }
-    area += level as f64 * (to - at).as_secs_f64();
-    area / (to - from).as_secs_f64()
 }
 
 #[tokio::main]

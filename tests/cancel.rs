@@ -13,6 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::http::claim_all;
 use common::{titled, until_sql, until_sql_polled, TestDb};
 use newsnack::writer::{self, SharedWriter};
 use serde_json::{json, Value};
@@ -21,23 +22,6 @@ const GOOD: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond para
 
 fn llm_writer(fake: &FakeLlm) -> SharedWriter {
     fake.writer(Duration::from_secs(60))
-}
-
-/// Claims `ids` through the instance at `addr`, asserting all were.
-async fn claim_all(addr: std::net::SocketAddr, ids: &[i64]) {
-    let response = reqwest::Client::new()
-        .post(format!("http://{addr}/ai-articles"))
-        .json(&json!({ "issue_ids": ids }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
-    let body: Value = response.json().await.unwrap();
-    assert_eq!(
-        body["claimed"].as_array().unwrap().len(),
-        ids.len(),
-        "{body}"
-    );
 }
 
 /// A fake that never answers issues titled `flight N` (until it stops) and
@@ -71,13 +55,13 @@ async fn cancelling_a_hundred_articles_in_flight_drops_every_call() {
     ];
     let flight = titled(&db, "flight", 100).await;
     for (service, ids) in services.iter().zip(flight.chunks(34)) {
-        claim_all(service.addr, ids).await;
+        claim_all(service.addr, ids, None).await;
     }
     fake.until_requests(100).await;
     // Twenty more, queued behind the limit of 100 calls in flight.
     let queued = titled(&db, "queued", 20).await;
     for (service, ids) in services.iter().zip(queued.chunks(7)) {
-        claim_all(service.addr, ids).await;
+        claim_all(service.addr, ids, None).await;
     }
     // No transition announces a queued call: asked every 50 ms.
     until_sql_polled(
@@ -163,7 +147,7 @@ async fn failing_articles_in_flight_with_plain_sql_drops_their_calls() {
     let fake = hanging_fake().await;
     let service = db.serve("plain-sql", llm_writer(&fake)).await;
     let flight = titled(&db, "flight", 8).await;
-    claim_all(service.addr, &flight).await;
+    claim_all(service.addr, &flight, None).await;
     fake.until_requests(8).await;
     let client = db.raw().await;
     client
@@ -358,7 +342,7 @@ async fn an_answer_that_came_first_is_kept_out_by_the_fence() {
     let service = db.serve("fenced", llm_writer(&fake)).await;
     let id = titled(&db, "late", 1).await[0];
     let deferred_before = completions_deferred(service.addr).await;
-    claim_all(service.addr, &[id]).await;
+    claim_all(service.addr, &[id], None).await;
     fake.until_requests(1).await;
 
     let mut holder = db.raw().await;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::http::get_json;
+use common::http::{claim_all, get_json};
 use common::{titled, until_sql, until_sql_polled, TestDb};
 use futures::future::BoxFuture;
 use newsnack::db::llm_budget::{exchange, CallToQueue, Exchange, ExchangeAnswer, Held};
@@ -41,23 +41,6 @@ async fn fake_reporting(prompt: i64, completion: i64) -> FakeLlm {
                       "total_tokens": prompt + completion}),
     })
     .await
-}
-
-/// Claims `ids` through `addr` at `priority`, asserting they all were.
-async fn claim_all(addr: std::net::SocketAddr, ids: &[i64], priority: &str) {
-    let response = reqwest::Client::new()
-        .post(format!("http://{addr}/ai-articles"))
-        .json(&json!({ "issue_ids": ids, "priority": priority }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
-    let body: Value = response.json().await.unwrap();
-    assert_eq!(
-        body["claimed"].as_array().unwrap().len(),
-        ids.len(),
-        "{body}"
-    );
 }
 
 /// The day's count, as the budget keeps it (0 when no row).
@@ -189,7 +172,7 @@ async fn one_call_in_flight_holds_the_budget_to_the_token() {
     let fake = fake_reporting(60, 40).await;
     let service = db.serve("one", fake.writer(Duration::from_secs(30))).await;
     let ids = titled(&db, "story", 10).await;
-    claim_all(service.addr, &ids, "feed").await;
+    claim_all(service.addr, &ids, Some("feed")).await;
     until_held(&db, 450).await;
     until_sql(
         &db,
@@ -229,7 +212,7 @@ async fn the_overshoot_is_bounded_by_the_calls_in_flight() {
         .serve("three", fake.writer(Duration::from_secs(30)))
         .await;
     let ids = titled(&db, "story", 20).await;
-    claim_all(service.addr, &ids, "feed").await;
+    claim_all(service.addr, &ids, Some("feed")).await;
     until_held(&db, 450).await;
     let tokens = db.scalar_i64(&format!("SELECT {TOKENS_TODAY}")).await;
     // The last grant came at 400 or less, with at most three in flight.
@@ -270,7 +253,7 @@ async fn briefing_articles_are_written_from_the_reserve_while_feed_waits_for_the
         .serve("reserve", fake.writer(Duration::from_secs(30)))
         .await;
     let feed = titled(&db, "feed", 5).await;
-    claim_all(service.addr, &feed, "feed").await;
+    claim_all(service.addr, &feed, Some("feed")).await;
     until_held(&db, 200).await;
     assert_eq!(fake.requests(), 2);
 
@@ -288,7 +271,7 @@ async fn briefing_articles_are_written_from_the_reserve_while_feed_waits_for_the
     .await;
 
     let briefing = titled(&db, "briefing", 3).await;
-    claim_all(service.addr, &briefing, "briefing").await;
+    claim_all(service.addr, &briefing, Some("briefing")).await;
     until_sql(
         &db,
         &service.hub,
@@ -371,7 +354,7 @@ async fn an_answer_without_usage_counts_its_bound() {
         .serve("silent", fake.writer(Duration::from_secs(30)))
         .await;
     let ids = titled(&db, "기사", 1).await;
-    claim_all(service.addr, &ids, "briefing").await;
+    claim_all(service.addr, &ids, Some("briefing")).await;
     until_sql_polled(&db, 30, &format!("SELECT {TOKENS_TODAY} > 0")).await;
     let request = fake.last_request().unwrap();
     let sent: i64 = request["messages"]
@@ -439,7 +422,7 @@ async fn instances_counting_only_their_own_tokens_spend_the_budget_twice() {
     ];
     let ids = titled(&db, "story", 20).await;
     for (service, ids) in services.iter().zip(ids.chunks(10)) {
-        claim_all(service.addr, ids, "feed").await;
+        claim_all(service.addr, ids, Some("feed")).await;
     }
     until_sql(
         &db,

@@ -18,12 +18,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::http::get_json;
+use common::http::{claim_all, get_json};
 use common::process;
 use common::{until_sql, until_sql_polled, TestDb};
 use futures::future::BoxFuture;
 use newsnack::writer::{Article, IssueText, SharedWriter, WriteError, Writer};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
 const TIMEOUT: Duration = Duration::from_secs(1);
@@ -52,17 +52,6 @@ async fn fallback_fake() -> FakeLlm {
         content: ARTICLE.into(),
     })
     .await
-}
-
-/// Claims `ids` through `addr` at `priority`, asserting they all were.
-async fn claim_all(addr: std::net::SocketAddr, ids: &[i64], priority: &str) {
-    let response = reqwest::Client::new()
-        .post(format!("http://{addr}/ai-articles"))
-        .json(&json!({ "issue_ids": ids, "priority": priority }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
 }
 
 /// Issues titled `prefix N` with a score, so a pipeline run picks the
@@ -137,8 +126,8 @@ async fn dead_primary(dead: Dead) {
     let alpha = issues(&db, "alpha", 3, 1.0).await;
     let beta = issues(&db, "beta", 3, 1.0).await;
     let hottest = issues(&db, "hottest", 5, 100.0).await;
-    claim_all(a.addr, &alpha, "briefing").await;
-    claim_all(b.addr, &beta, "briefing").await;
+    claim_all(a.addr, &alpha, Some("briefing")).await;
+    claim_all(b.addr, &beta, Some("briefing")).await;
     let run = tokio::task::block_in_place(|| run_pipeline(&db, &primary, &fallback));
     assert!(
         run.status.success(),
@@ -236,8 +225,8 @@ async fn llm_fallback_for_decides_which_classes_go_to_the_fallback() {
 
     let briefing = issues(&db, "briefing", 3, 1.0).await;
     let feed = issues(&db, "feed", 3, 1.0).await;
-    claim_all(service.addr, &briefing, "briefing").await;
-    claim_all(service.addr, &feed, "feed").await;
+    claim_all(service.addr, &briefing, Some("briefing")).await;
+    claim_all(service.addr, &feed, Some("feed")).await;
     until_sql(
         &db,
         &service.hub,
@@ -269,7 +258,7 @@ async fn llm_fallback_for_decides_which_classes_go_to_the_fallback() {
     db.set("llm_fallback_for", "none").await;
     let more = issues(&db, "none", 2, 1.0).await;
     let before = fallback.requests();
-    claim_all(service.addr, &more, "briefing").await;
+    claim_all(service.addr, &more, Some("briefing")).await;
     until_sql_polled(
         &db,
         30,
@@ -329,7 +318,7 @@ async fn a_primary_that_recovers_gets_its_calls_back() {
         )
         .await;
     let first = issues(&db, "first", 4, 1.0).await;
-    claim_all(service.addr, &first, "briefing").await;
+    claim_all(service.addr, &first, Some("briefing")).await;
     until_sql_polled(
         &db,
         30,
@@ -375,7 +364,7 @@ async fn a_primary_that_recovers_gets_its_calls_back() {
     )
     .await;
     let later = issues(&db, "later", 3, 1.0).await;
-    claim_all(service.addr, &later, "briefing").await;
+    claim_all(service.addr, &later, Some("briefing")).await;
     until_sql(
         &db,
         &service.hub,
@@ -465,7 +454,7 @@ async fn instances_with_circuits_of_their_own_each_spend_calls_on_a_dead_primary
     ];
     let ids = issues(&db, "story", 15, 1.0).await;
     for (service, ids) in services.iter().zip(ids.chunks(5)) {
-        claim_all(service.addr, ids, "briefing").await;
+        claim_all(service.addr, ids, Some("briefing")).await;
     }
     until_sql(
         &db,

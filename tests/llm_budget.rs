@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::http::get_json;
+use common::http::{claim_all, get_json};
 use common::process::ServeProcess;
 use common::{first_column, titled, until_sql, until_sql_polled, within, TestDb};
 use futures::future::BoxFuture;
@@ -51,17 +51,6 @@ async fn post_articles(
         .await
         .unwrap();
     (response.status().as_u16(), response.json().await.unwrap())
-}
-
-/// Claims `ids` through `addr` at `priority`, asserting they all were.
-async fn claim_all(addr: std::net::SocketAddr, ids: &[i64], priority: Option<&str>) {
-    let (status, body) = post_articles(addr, ids, priority).await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(
-        body["claimed"].as_array().unwrap().len(),
-        ids.len(),
-        "{body}"
-    );
 }
 
 /// A setting's stored value.

@@ -110,3 +110,23 @@ pub async fn claim_rate(pool: &DbPool, path: Path, clients: usize, duration: Dur
     }
     claims.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
 }
+
+/// Calls in flight averaged over `[from, to]`, from a fake LLM's record of
+/// `(when, in flight from then on)` changes.
+pub fn average_in_flight(changes: &[(Instant, u64)], from: Instant, to: Instant) -> f64 {
+    let mut area = 0.0;
+    let mut level = 0u64;
+    let mut at = from;
+    for &(when, now) in changes {
+        if when > to {
+            break;
+        }
+        if when > at {
+            area += level as f64 * (when - at).as_secs_f64();
+            at = when;
+        }
+        level = now;
+    }
+    area += level as f64 * (to - at).as_secs_f64();
+    area / (to - from).as_secs_f64()
+}

@@ -1,5 +1,6 @@
 //! Plain HTTP calls on a running service, for tests whose point is not the
-//! request itself: a JSON body fetched, a JSON body posted, a metric read.
+//! request itself: a JSON body fetched, a JSON body posted, a metric read,
+//! issues claimed.
 
 use reqwest::header::{HeaderMap, HeaderName};
 use reqwest::{Method, RequestBuilder, StatusCode};
@@ -89,4 +90,25 @@ pub async fn metric(http: &reqwest::Client, base: &str, name: &str) -> f64 {
         .await
         .unwrap();
     metric_in(&metrics, name)
+}
+
+/// Claims `ids` through the service at `addr` (at `priority`, or the
+/// default), asserting that it answered 202 with every one claimed.
+pub async fn claim_all(addr: std::net::SocketAddr, ids: &[i64], priority: Option<&str>) {
+    let mut body = serde_json::json!({ "issue_ids": ids });
+    if let Some(priority) = priority {
+        body["priority"] = serde_json::json!(priority);
+    }
+    let (status, answer) = post_json(
+        &reqwest::Client::new(),
+        &format!("http://{addr}/ai-articles"),
+        &body,
+    )
+    .await;
+    assert_eq!(status, 202, "{answer}");
+    assert_eq!(
+        answer["claimed"].as_array().map(Vec::len),
+        Some(ids.len()),
+        "{answer}"
+    );
 }
