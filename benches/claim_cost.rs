@@ -34,11 +34,11 @@
 
 mod common;
 
-use common::round3;
+use common::{round3, start_cluster};
 
 use std::process::{Command, Stdio};
 
-use newsnack::embedded::{find_bin_dir, unprivileged_user, EmbeddedOptions, EmbeddedPostgres};
+use newsnack::embedded::{find_bin_dir, unprivileged_user, EmbeddedOptions};
 
 const ISSUES: i64 = 20_000;
 const CLAIMS: i64 = 300;
@@ -52,15 +52,11 @@ async fn main() {
         Command::new("valgrind").arg("--version").output().is_ok(),
         "valgrind is not installed: apt-get install valgrind"
     );
-    let mut cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            ..EmbeddedOptions::default()
-        })
+    let mut cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
+    .await;
     let endpoint = newsnack::db::Endpoint::parse(&cluster.url("postgres"), "bench").unwrap();
     let mut client = endpoint.connect().await.unwrap();
     newsnack::db::migrate::migrate(&mut client).await.unwrap();

@@ -38,7 +38,7 @@
 
 mod common;
 
-use common::{connect, knob, round1, round3};
+use common::{connect, knob, migrate_with, round1, round3, start_cluster};
 
 use std::collections::HashMap;
 use std::net::TcpListener;
@@ -80,16 +80,12 @@ async fn main() {
             settings.push((name.trim().into(), value.trim().into()));
         }
     }
-    let cluster = tokio::task::spawn_blocking(move || {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable,
-            settings,
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable,
+        settings,
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
+    .await;
     let admin = connect(&cluster.url("postgres")).await;
     if statements {
         admin
@@ -179,14 +175,7 @@ async fn one_run(
         .await
         .unwrap();
     let url = cluster.url(database);
-    let status = Command::new(bin)
-        .arg("migrate")
-        .env("DATABASE_URL", &url)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .status()
-        .expect("run newsnack migrate");
-    assert!(status.success(), "{} migrate failed", bin.display());
+    migrate_with(bin, &url);
     let db = connect(&url).await;
     let ids: Vec<i64> = db
         .query(

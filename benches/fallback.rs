@@ -32,10 +32,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{average_in_flight, connect, knob, round3};
+use common::{average_in_flight, connect, knob, round3, serve_options, start_cluster};
 use newsnack::db::issue::{insert_issues, NewIssue};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::serve::RunningService;
 use newsnack::writer::{self, FallbackConfig, WriterConfig};
 use serde_json::{json, Value};
 
@@ -228,21 +228,9 @@ async fn start_service(
         }),
     })
     .unwrap();
-    newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.into()),
-            direct_database_url: None,
-            instance: instance.into(),
-            pool_size: 16,
-            grace: Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        writers,
-    )
-    .await
-    .expect("start the service")
+    newsnack::serve::start(serve_options(url, instance, 16), writers)
+        .await
+        .expect("start the service")
 }
 
 async fn primary_flaky(cluster: &EmbeddedPostgres, call: Duration) -> Value {
@@ -326,16 +314,12 @@ async fn primary_flaky(cluster: &EmbeddedPostgres, call: Duration) -> Value {
 #[tokio::main]
 async fn main() {
     let call = Duration::from_millis(knob("BENCH_CALL_MS", 400));
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            settings: vec![("max_connections".into(), "200".into())],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        settings: vec![("max_connections".into(), "200".into())],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
+    .await;
     let started = Instant::now();
     let down = primary_down(&cluster, call).await;
     let flaky = primary_flaky(&cluster, call).await;

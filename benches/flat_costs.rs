@@ -22,7 +22,7 @@
 
 mod common;
 
-use common::{connect, knob, round3};
+use common::{connect, knob, round3, start_cluster};
 
 use std::time::{Duration, Instant};
 
@@ -40,15 +40,11 @@ const FAILED: i64 = 100;
 async fn main() {
     let samples = knob("FLAT_COSTS_SAMPLES", 200) as usize;
     let large = knob("FLAT_COSTS_LARGE", 1_000_000) as i64;
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
+    .await;
     let admin = connect(&cluster.url("postgres")).await;
     let mut sides = Vec::new();
     for size in [1_000, large] {

@@ -57,7 +57,7 @@
 
 mod common;
 
-use common::{connect, knob, round1, round3};
+use common::{connect, knob, round1, round3, serve_options, start_cluster};
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -72,7 +72,7 @@ use newsnack::db::{self, DbPool, PoolOptions, Statements};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::events::hub::EventHub;
 use newsnack::model::status::Status;
-use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::serve::RunningService;
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::json;
 use tokio::sync::Barrier;
@@ -103,16 +103,12 @@ async fn main() {
         settings.push(("pg_stat_statements.track".into(), "all".into()));
         settings.push(("track_functions".into(), "all".into()));
     }
-    let cluster = tokio::task::spawn_blocking(move || {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable,
-            settings,
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable,
+        settings,
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
+    .await;
     let admin = connect(&cluster.url("postgres")).await;
     // `BENCH_ONLY=seeds_together_paced,e2e` runs just those phases.
     let only = std::env::var("BENCH_ONLY").ok();
@@ -395,16 +391,7 @@ async fn pool_pressure(url: &str) -> serde_json::Value {
     const BURST: usize = 200;
     const READS: usize = 24;
     let service = newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.into()),
-            direct_database_url: None,
-            instance: "pool-pressure".into(),
-            pool_size: POOL,
-            grace: Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
+        serve_options(url, "pool-pressure", POOL),
         Arc::new(OfflineWriter) as SharedWriter,
     )
     .await
@@ -618,16 +605,7 @@ async fn add_issues(pool: &DbPool, n: usize) -> Vec<i64> {
 
 async fn start_service(url: &str, instance: &str) -> RunningService {
     newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.into()),
-            direct_database_url: None,
-            instance: instance.into(),
-            pool_size: SERVICE_POOL,
-            grace: Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
+        serve_options(url, instance, SERVICE_POOL),
         Arc::new(OfflineWriter) as SharedWriter,
     )
     .await

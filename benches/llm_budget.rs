@@ -37,11 +37,13 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{average_in_flight, connect, knob, round1, round3};
+use common::{
+    average_in_flight, connect, create_database, knob, round1, round3, serve_options, start_cluster,
+};
 use newsnack::db::issue::{insert_issues, NewIssue};
-use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::embedded::EmbeddedOptions;
 use newsnack::model::status::Status;
-use newsnack::serve::{RunningService, ServeOptions};
+use newsnack::serve::RunningService;
 use newsnack::writer::{self, WriterConfig};
 use serde_json::{json, Value};
 
@@ -123,21 +125,9 @@ async fn start_service(url: &str, instance: &str, llm: SocketAddr) -> RunningSer
         fallback: None,
     })
     .unwrap();
-    newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.into()),
-            direct_database_url: None,
-            instance: instance.into(),
-            pool_size: 16,
-            grace: Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
-        writer,
-    )
-    .await
-    .expect("start the service")
+    newsnack::serve::start(serve_options(url, instance, 16), writer)
+        .await
+        .expect("start the service")
 }
 
 async fn add(client: &tokio_postgres::Client, prefix: &str, n: usize) -> Vec<i64> {
@@ -174,25 +164,19 @@ async fn main() {
     let instances = knob("BENCH_INSTANCES", 3) as usize;
     let durable = knob("BENCH_DURABLE", 1) != 0;
 
-    let cluster = tokio::task::spawn_blocking(move || {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable,
-            settings: vec![
-                ("max_connections".into(), "300".into()),
-                (
-                    "shared_preload_libraries".into(),
-                    "pg_stat_statements".into(),
-                ),
-            ],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable,
+        settings: vec![
+            ("max_connections".into(), "300".into()),
+            (
+                "shared_preload_libraries".into(),
+                "pg_stat_statements".into(),
+            ),
+        ],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
-    let admin = connect(&cluster.url("postgres")).await;
-    admin.batch_execute("CREATE DATABASE budget").await.unwrap();
-    let url = cluster.url("budget");
+    .await;
+    let url = create_database(&cluster, "budget").await;
     let (fake, llm) = start_fake(call).await;
 
     let mut services = Vec::new();

@@ -42,7 +42,7 @@
 
 mod common;
 
-use common::{connect, knob, round1, round3};
+use common::{connect, knob, round1, round3, start_cluster};
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -50,7 +50,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use newsnack::db::{self, PoolOptions};
-use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::embedded::EmbeddedOptions;
 use newsnack::events::listener::{Listener, ListenerOptions};
 use newsnack::model::status::Status;
 use serde_json::json;
@@ -100,15 +100,11 @@ async fn main() {
     let load_before = load_average();
     let started = Instant::now();
 
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
+    .await;
     let admin = connect(&cluster.url("postgres")).await;
 
     let mut runs: Vec<serde_json::Value> = Vec::new();

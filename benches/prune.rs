@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{connect, knob, round1, round3};
+use common::{connect, create_database, knob, round1, round3, start_cluster};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use newsnack::claims::claim::Claimer;
 use newsnack::db::issue::ClaimScope;
 use newsnack::db::retention::{self, Retention};
 use newsnack::db::{self, PoolOptions, Statements};
-use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::embedded::EmbeddedOptions;
 use serde_json::json;
 
 #[tokio::main]
@@ -33,19 +33,13 @@ async fn main() {
     let log_rows = knob("BENCH_LOG_ROWS", 1_000_000) as i64;
     let clients = knob("BENCH_CLIENTS", 8) as usize;
     let seconds = knob("BENCH_SECONDS", 10);
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            settings: vec![("max_connections".into(), "100".into())],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        settings: vec![("max_connections".into(), "100".into())],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
-    let admin = connect(&cluster.url("postgres")).await;
-    admin.batch_execute("CREATE DATABASE bench").await.unwrap();
-    let url = cluster.url("bench");
+    .await;
+    let url = create_database(&cluster, "bench").await;
     let endpoint = db::Endpoint::parse(&url, "newsnack-bench").unwrap();
     db::migrate::migrate(&mut endpoint.connect().await.unwrap())
         .await
@@ -154,7 +148,6 @@ async fn main() {
     drop(claimer);
     pool.close();
     drop(sql);
-    drop(admin);
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();

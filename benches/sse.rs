@@ -54,7 +54,7 @@
 
 mod common;
 
-use common::{connect, knob, round1, round3};
+use common::{create_database, knob, round1, round3, serve_options, start_cluster};
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -64,8 +64,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
-use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use newsnack::serve::ServeOptions;
+use newsnack::embedded::EmbeddedOptions;
 use newsnack::writer::{OfflineWriter, SharedWriter};
 use serde_json::json;
 use std::os::fd::AsRawFd;
@@ -120,30 +119,15 @@ async fn bench() {
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default();
 
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            settings: vec![("max_connections".into(), "100".into())],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        settings: vec![("max_connections".into(), "100".into())],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
-    let admin = connect(&cluster.url("postgres")).await;
-    admin.batch_execute("CREATE DATABASE sse").await.unwrap();
-    let url = cluster.url("sse");
+    .await;
+    let url = create_database(&cluster, "sse").await;
     let service = newsnack::serve::start(
-        ServeOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            database_url: Some(url.clone()),
-            direct_database_url: None,
-            instance: "sse-bench".into(),
-            pool_size: 16,
-            grace: Duration::from_secs(5),
-            api_token: None,
-            max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
-        },
+        serve_options(&url, "sse-bench", 16),
         Arc::new(OfflineWriter) as SharedWriter,
     )
     .await
@@ -420,7 +404,6 @@ async fn bench() {
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     service.stop().await.unwrap();
     drop(writer);
-    drop(admin);
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();

@@ -14,12 +14,12 @@
 
 mod common;
 
-use common::{claim_rate, knob, round3, Path};
+use common::{claim_rate, knob, round3, start_cluster, Path};
 
 use std::time::Duration;
 
 use newsnack::db::{self, PoolOptions, Statements};
-use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::embedded::EmbeddedOptions;
 
 const CLIENTS: usize = 8;
 const ROUNDS: u32 = 4;
@@ -32,25 +32,21 @@ async fn main() {
         .unwrap()
         .self_signed(&key)
         .unwrap();
-    let cluster = tokio::task::spawn_blocking(move || {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            settings: vec![
-                ("max_connections".into(), "100".into()),
-                ("ssl".into(), "on".into()),
-                ("ssl_cert_file".into(), "server.crt".into()),
-                ("ssl_key_file".into(), "server.key".into()),
-            ],
-            files: vec![
-                ("server.crt".into(), cert.pem().into_bytes()),
-                ("server.key".into(), key.serialize_pem().into_bytes()),
-            ],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        settings: vec![
+            ("max_connections".into(), "100".into()),
+            ("ssl".into(), "on".into()),
+            ("ssl_cert_file".into(), "server.crt".into()),
+            ("ssl_key_file".into(), "server.key".into()),
+        ],
+        files: vec![
+            ("server.crt".into(), cert.pem().into_bytes()),
+            ("server.key".into(), key.serialize_pem().into_bytes()),
+        ],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster with TLS");
+    .await;
     let plain = db::Endpoint::parse(
         &format!("{}?sslmode=disable", cluster.url("postgres")),
         "bench",

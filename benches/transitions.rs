@@ -22,7 +22,7 @@
 
 mod common;
 
-use common::{claim_rate, connect, round3, Path};
+use common::{claim_rate, connect, round3, start_cluster, Path};
 
 use std::process::Command;
 use std::time::Duration;
@@ -45,16 +45,12 @@ async fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(10);
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            settings: vec![("max_connections".into(), "100".into())],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        settings: vec![("max_connections".into(), "100".into())],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
+    .await;
     let admin = connect(&cluster.url("postgres")).await;
     admin.batch_execute("CREATE DATABASE bench").await.unwrap();
     admin

@@ -17,14 +17,14 @@
 
 mod common;
 
-use common::{connect, knob, round1, round3};
+use common::{connect, create_database, knob, migrate_with, round1, round3, start_cluster};
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::embedded::EmbeddedOptions;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -39,27 +39,14 @@ async fn main() {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_newsnack")));
     raise_open_files();
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            settings: vec![("max_connections".into(), "100".into())],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        settings: vec![("max_connections".into(), "100".into())],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
-    let admin = connect(&cluster.url("postgres")).await;
-    admin.batch_execute("CREATE DATABASE bench").await.unwrap();
-    let url = cluster.url("bench");
-    let status = Command::new(&bin)
-        .arg("migrate")
-        .env("DATABASE_URL", &url)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .status()
-        .expect("run newsnack migrate");
-    assert!(status.success(), "migrate failed");
+    .await;
+    let url = create_database(&cluster, "bench").await;
+    migrate_with(&bin, &url);
     let db = connect(&url).await;
     let ids: Vec<i64> = db
         .query(
@@ -205,7 +192,6 @@ async fn main() {
     });
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     drop(db);
-    drop(admin);
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();

@@ -21,14 +21,14 @@
 
 mod common;
 
-use common::{connect, knob, round3};
+use common::{create_database, knob, round3, start_cluster};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use newsnack::briefing::wait::{ArmedWait, WaitOutcome, WaitRequest};
 use newsnack::db::{self, DbPool, PoolOptions, Statements};
-use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::embedded::EmbeddedOptions;
 use newsnack::events::listener::{Listener, ListenerOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -39,19 +39,13 @@ async fn main() {
     let seconds = knob("BENCH_SECONDS", 10);
     let background_rate = knob("BENCH_WAIT_BACKGROUND", 500);
     let wait_rate = knob("BENCH_WAIT_RATE", 50).max(1);
-    let cluster = tokio::task::spawn_blocking(|| {
-        EmbeddedPostgres::start(&EmbeddedOptions {
-            durable: true,
-            settings: vec![("max_connections".into(), "100".into())],
-            ..EmbeddedOptions::default()
-        })
+    let cluster = start_cluster(EmbeddedOptions {
+        durable: true,
+        settings: vec![("max_connections".into(), "100".into())],
+        ..EmbeddedOptions::default()
     })
-    .await
-    .unwrap()
-    .expect("start a throwaway cluster");
-    let admin = connect(&cluster.url("postgres")).await;
-    admin.batch_execute("CREATE DATABASE bench").await.unwrap();
-    let url = cluster.url("bench");
+    .await;
+    let url = create_database(&cluster, "bench").await;
     let endpoint = db::Endpoint::parse(&url, "newsnack-bench").unwrap();
     db::migrate::migrate(&mut endpoint.connect().await.unwrap())
         .await
@@ -124,7 +118,6 @@ async fn main() {
     });
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     pool.close();
-    drop(admin);
     tokio::task::spawn_blocking(move || drop(cluster))
         .await
         .unwrap();

@@ -1,7 +1,9 @@
-//! Helpers every benchmark shares: knobs from the environment, a plain
-//! connection, the claim workload, and rounding for the JSON reports.
+//! Helpers every benchmark shares: knobs from the environment, a throwaway
+//! cluster and its databases, a plain connection, a service's options, the
+//! claim workload, and rounding for the JSON reports.
 #![allow(dead_code)]
 
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,6 +11,8 @@ use std::time::{Duration, Instant};
 use newsnack::claims::claim::Claimer;
 use newsnack::db::issue::{claim_issues, ClaimScope, NewIssue};
 use newsnack::db::DbPool;
+use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use newsnack::serve::ServeOptions;
 
 /// A numeric knob from the environment, or its default.
 pub fn knob(name: &str, default: u64) -> u64 {
@@ -25,6 +29,53 @@ pub async fn connect(url: &str) -> tokio_postgres::Client {
         .unwrap();
     tokio::spawn(connection);
     client
+}
+
+/// A throwaway cluster started with `options` (starting blocks, so on a
+/// blocking thread).
+pub async fn start_cluster(options: EmbeddedOptions) -> EmbeddedPostgres {
+    tokio::task::spawn_blocking(move || EmbeddedPostgres::start(&options))
+        .await
+        .unwrap()
+        .expect("start a throwaway cluster")
+}
+
+/// Creates the database `name` on `cluster`; its URL.
+pub async fn create_database(cluster: &EmbeddedPostgres, name: &str) -> String {
+    connect(&cluster.url("postgres"))
+        .await
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    cluster.url(name)
+}
+
+/// Migrates the database at `url` with the binary `bin` (`newsnack
+/// migrate`), as an operator would.
+pub fn migrate_with(bin: &std::path::Path, url: &str) {
+    let status = Command::new(bin)
+        .arg("migrate")
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .status()
+        .expect("run newsnack migrate");
+    assert!(status.success(), "{} migrate failed", bin.display());
+}
+
+/// A service on a free loopback port of `url`'s database, without a token,
+/// given 5 s to drain.
+pub fn serve_options(url: &str, instance: &str, pool_size: usize) -> ServeOptions {
+    ServeOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        database_url: Some(url.into()),
+        direct_database_url: None,
+        instance: instance.into(),
+        pool_size,
+        grace: Duration::from_secs(5),
+        api_token: None,
+        max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
+    }
 }
 
 pub fn round1(x: f64) -> f64 {
