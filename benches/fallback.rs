@@ -32,8 +32,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{average_in_flight, connect, knob, round3, serve_options, start_cluster};
-use newsnack::db::issue::{insert_issues, NewIssue};
+use common::{average_in_flight, connect, knob, round3, serve_options, start_cluster, titled};
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::serve::RunningService;
 use newsnack::writer::{self, FallbackConfig, WriterConfig};
@@ -127,19 +126,6 @@ fn epoch_s(at: SystemTime) -> f64 {
     at.duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
 }
 
-async fn issues(client: &tokio_postgres::Client, prefix: &str, n: usize) -> Vec<i64> {
-    let issues: Vec<NewIssue> = (0..n)
-        .map(|i| NewIssue {
-            title: format!("{prefix} {i}"),
-            body: format!("What happened in {prefix} {i}."),
-            score: 1.0,
-            collected_at: None,
-            source_key: None,
-        })
-        .collect();
-    insert_issues(client, &issues).await.unwrap()
-}
-
 /// A database of its own on `cluster`, migrated, with `settings` set.
 async fn database(cluster: &EmbeddedPostgres, name: &str, settings: &[(&str, u64)]) -> String {
     let admin = connect(&cluster.url("postgres")).await;
@@ -167,7 +153,7 @@ async fn database(cluster: &EmbeddedPostgres, name: &str, settings: &[(&str, u64
 async fn primary_down(cluster: &EmbeddedPostgres, call: Duration) -> Value {
     let url = database(cluster, "down", &[("llm_fallback_max_in_flight", 5)]).await;
     let sql = connect(&url).await;
-    issues(&sql, "story", 5).await;
+    titled(&sql, "story", 5).await;
     let (primary, primary_addr) = start_fake(Mode::Dead, call).await;
     let (fallback, fallback_addr) = start_fake(Mode::Healthy, call).await;
     let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_newsnack"))
@@ -247,7 +233,7 @@ async fn primary_flaky(cluster: &EmbeddedPostgres, call: Duration) -> Value {
     )
     .await;
     let sql = connect(&url).await;
-    let ids = issues(&sql, "story", articles).await;
+    let ids = titled(&sql, "story", articles).await;
     let (primary, primary_addr) = start_fake(Mode::Flaky, call).await;
     let (fallback, fallback_addr) = start_fake(Mode::Healthy, call).await;
     let mut services = Vec::new();

@@ -38,9 +38,9 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
 use common::{
-    average_in_flight, connect, create_database, knob, round1, round3, serve_options, start_cluster,
+    average_in_flight, connect, create_database, knob, round1, round3, serve_options,
+    start_cluster, titled,
 };
-use newsnack::db::issue::{insert_issues, NewIssue};
 use newsnack::embedded::EmbeddedOptions;
 use newsnack::model::status::Status;
 use newsnack::serve::RunningService;
@@ -130,19 +130,6 @@ async fn start_service(url: &str, instance: &str, llm: SocketAddr) -> RunningSer
         .expect("start the service")
 }
 
-async fn add(client: &tokio_postgres::Client, prefix: &str, n: usize) -> Vec<i64> {
-    let issues: Vec<NewIssue> = (0..n)
-        .map(|i| NewIssue {
-            title: format!("{prefix} {i}"),
-            body: format!("What happened in {prefix} {i}."),
-            score: 1.0,
-            collected_at: None,
-            source_key: None,
-        })
-        .collect();
-    insert_issues(client, &issues).await.unwrap()
-}
-
 async fn claim(http: &reqwest::Client, service: &RunningService, ids: &[i64], priority: &str) {
     let response = http
         .post(format!("http://{}/ai-articles", service.addr))
@@ -190,10 +177,10 @@ async fn main() {
     ))
     .await
     .unwrap();
-    let feed_ids = add(&sql, "feed", feed).await;
+    let feed_ids = titled(&sql, "feed", feed).await;
     let mut briefing_rounds = Vec::new();
     for round in 0..rounds {
-        briefing_rounds.push(add(&sql, &format!("briefing {round}"), briefing).await);
+        briefing_rounds.push(titled(&sql, &format!("briefing {round}"), briefing).await);
     }
     sql.batch_execute("SELECT pg_stat_statements_reset()")
         .await

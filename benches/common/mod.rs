@@ -78,6 +78,22 @@ pub fn serve_options(url: &str, instance: &str, pool_size: usize) -> ServeOption
     }
 }
 
+/// Adds `n` issues titled `{prefix} N`, with a body each; their ids.
+pub async fn titled(client: &tokio_postgres::Client, prefix: &str, n: usize) -> Vec<i64> {
+    let issues: Vec<NewIssue> = (0..n)
+        .map(|i| NewIssue {
+            title: format!("{prefix} {i}"),
+            body: format!("What happened in {prefix} {i}."),
+            score: 1.0,
+            collected_at: None,
+            source_key: None,
+        })
+        .collect();
+    newsnack::db::issue::insert_issues(client, &issues)
+        .await
+        .unwrap()
+}
+
 pub fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
