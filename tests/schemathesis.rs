@@ -19,9 +19,13 @@
 //! Schemathesis is told that 413 counts as refusing it ([`CONFIG`]).
 //!
 //! One concession to time, in the hooks: a wait the fuzzer asks for on an
-//! issue nobody claims would last its whole `timeout_s` (up to a day), so
-//! the hooks shorten a valid `timeout_s` to at most a second before the
-//! request goes out; it stays valid, and invalid ones are left alone.
+//! issue nobody claims would last its whole `timeout_s` or until its
+//! `deadline` (up to a day), so the hooks shorten a valid `timeout_s` to at
+//! most a second, and bring a valid `deadline` more than a second ahead to
+//! a second from now, before the request goes out; they stay valid, and
+//! invalid ones are left alone. (A deadline more than a day ahead, which
+//! the service refuses with 422, is the one limit a schema cannot state;
+//! tests/waits.rs covers it.)
 
 mod common;
 
@@ -50,11 +54,30 @@ const CONFIG: &str = r#"
 expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
 "#;
 
-/// Shortens valid `timeout_s` values of `POST /waits` (see the module docs).
+/// Shortens valid `timeout_s` and `deadline` values of `POST /waits` (see
+/// the module docs).
 const HOOKS: &str = r#"
+import datetime
+
 import schemathesis
 
 MAX_WAIT_S = 1.0
+
+
+def shortened_deadline(value):
+    """A second from now if `value` is a deadline further ahead, else None."""
+    if not isinstance(value, str):
+        return None
+    try:
+        deadline = datetime.datetime.fromisoformat(value.replace("z", "Z"))
+    except ValueError:
+        return None
+    if deadline.tzinfo is None:
+        return None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if deadline - now <= datetime.timedelta(seconds=MAX_WAIT_S):
+        return None
+    return (now + datetime.timedelta(seconds=MAX_WAIT_S)).isoformat()
 
 
 @schemathesis.hook
@@ -65,6 +88,9 @@ def before_call(context, case, kwargs):
     valid = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
     if valid and MAX_WAIT_S < timeout <= 86400:
         case.body["timeout_s"] = MAX_WAIT_S
+    deadline = shortened_deadline(case.body.get("deadline"))
+    if deadline is not None:
+        case.body["deadline"] = deadline
 "#;
 
 /// The `schemathesis` executable, installed into a cached venv first if it
@@ -190,6 +216,14 @@ fn the_documents_limits_are_the_services() {
     assert_eq!(
         wait["timeout_s"]["maximum"],
         json!(newsnack::http::waits::MAX_TIMEOUT_S)
+    );
+    assert_eq!(
+        wait["deadline"]["pattern"],
+        json!(newsnack::http::types::COLLECTED_AT_PATTERN)
+    );
+    assert_eq!(
+        doc["components"]["schemas"]["WaitBody"]["not"]["required"],
+        json!(["timeout_s", "deadline"])
     );
     assert_eq!(
         wait["min_completion"]["maximum"],

@@ -594,3 +594,100 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
     );
     stop.cancel();
 }
+
+/// `deadline` in RFC 3339, `offset_ms` from now.
+fn deadline_in(offset_ms: i64) -> String {
+    (time::OffsetDateTime::now_utc() + time::Duration::milliseconds(offset_ms))
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap()
+}
+
+/// A wait asked again with the deadline the first ask computed ends at
+/// that deadline, not a new timeout later; a deadline already past decides
+/// at once by the deadline's rule; `timeout_s` with `deadline` is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_waits_keeps_an_absolute_deadline() {
+    let db = TestDb::new().await;
+    let service = db
+        .serve(
+            "waits-deadline",
+            std::sync::Arc::new(newsnack::writer::OfflineWriter),
+        )
+        .await;
+    let sql = db.raw().await;
+    let ids = in_progress(&db, &sql, 3).await;
+    set_status(&sql, ids[0], "DONE").await;
+    let http = reqwest::Client::new();
+    let url = format!("http://{}/waits", service.addr);
+    let post = |body: serde_json::Value| {
+        let request = http.post(&url).json(&body);
+        async move {
+            let response = within(30, "POST /waits", request.send()).await.unwrap();
+            let status = response.status().as_u16();
+            (status, response.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+
+    // Ends at the deadline (1.5 s from now), by the rule: 1 DONE of 3.
+    let deadline = time::OffsetDateTime::now_utc() + time::Duration::milliseconds(1500);
+    let text = deadline
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let (status, passed) = post(serde_json::json!(
+        {"issue_ids": ids, "deadline": text, "min_completion": 1}
+    ))
+    .await;
+    let ended = time::OffsetDateTime::now_utc();
+    assert_eq!(status, 200, "{passed}");
+    assert_eq!(passed["outcome"], "timeout_pass");
+    assert_eq!(passed["completed"], serde_json::json!([ids[0]]));
+    assert!(
+        (ended - deadline).abs() < time::Duration::milliseconds(900),
+        "answered {} after the deadline",
+        ended - deadline
+    );
+
+    // The same deadline asked again, now past: decided at once, same rule.
+    for (min, outcome) in [(1, "timeout_pass"), (2, "skip")] {
+        let (status, again) = post(serde_json::json!(
+            {"issue_ids": ids, "deadline": text, "min_completion": min}
+        ))
+        .await;
+        assert_eq!(status, 200, "{again}");
+        assert_eq!(again["outcome"], outcome, "{again}");
+        assert_eq!(again["unfinished"], serde_json::json!(&ids[1..]));
+        assert!(again["waited_ms"].as_u64().unwrap() < 1000, "{again}");
+    }
+
+    // A future deadline still ends early when every target is DONE.
+    let waiting = tokio::spawn(post(serde_json::json!(
+        {"issue_ids": [ids[0]], "deadline": deadline_in(600_000)}
+    )));
+    let (status, all) = within(30, "all_pass", waiting).await.unwrap();
+    assert_eq!((status, all["outcome"].as_str()), (200, Some("all_pass")));
+
+    let refused = [
+        (
+            serde_json::json!({"issue_ids": ids, "deadline": deadline_in(1000), "timeout_s": 1}),
+            400,
+            "give timeout_s or deadline, not both",
+        ),
+        (
+            serde_json::json!({"issue_ids": ids, "deadline": deadline_in(90_000_000)}),
+            422,
+            "deadline must be at most 86400 s ahead",
+        ),
+        (
+            serde_json::json!({"issue_ids": ids, "deadline": "tomorrow"}),
+            422,
+            "deadline",
+        ),
+    ];
+    for (body, want, message) in refused {
+        let (status, error) = post(body.clone()).await;
+        assert_eq!(status, want, "{body}: {error}");
+        let text = error["error"].as_str().unwrap();
+        assert!(text.contains(message), "{body}: {text}");
+    }
+    service.stop().await.unwrap();
+}

@@ -388,6 +388,13 @@ impl ArmedWait {
     }
 }
 
+/// The time left until `deadline`, a wall-clock instant; zero once it has
+/// passed, so that a wait given a past deadline decides at once, by the
+/// deadline's rule, on what is done.
+pub fn time_until(deadline: time::OffsetDateTime) -> Duration {
+    Duration::try_from(deadline - time::OffsetDateTime::now_utc()).unwrap_or(Duration::ZERO)
+}
+
 /// Waits for `request` (see the module docs). `cancel` ends it at once,
 /// also while its first read waits (behind a lock on the table, say).
 pub async fn smart_wait(

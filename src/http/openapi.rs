@@ -26,6 +26,8 @@
 //! ([`types::TITLE_PATTERN`], [`types::BODY_PATTERN`]); a `collected_at` whose year is in
 //! [`input::COLLECTED_YEARS`] ([`types::COLLECTED_AT_PATTERN`]). Integers follow
 //! JSON Schema: `2.0` is the integer 2 ([`crate::http::types::whole_ids`]).
+//! A wait takes `timeout_s` or `deadline`, not both ([`document`] says so
+//! in `WaitBody`'s schema, which the derive cannot).
 
 use std::sync::Arc;
 
@@ -91,6 +93,14 @@ pub fn document(token_required: bool) -> Value {
             }
         });
     }
+    doc["components"]["schemas"]["WaitBody"]["not"] = json!({
+        "description": "`timeout_s` and `deadline` together",
+        "required": ["timeout_s", "deadline"],
+        "properties": {
+            "timeout_s": { "type": "number" },
+            "deadline": { "type": "string" }
+        }
+    });
     for (path, method, status, name, link) in links() {
         doc["paths"][path][method]["responses"][status]["links"][name] = link;
     }

@@ -160,6 +160,17 @@ pub fn collected_at_schema() -> ObjectBuilder {
         ))
 }
 
+/// A wait's `deadline` (absent or `null`: none).
+pub fn deadline_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+        .format(Some(SchemaFormat::KnownFormat(KnownFormat::DateTime)))
+        .pattern(Some(COLLECTED_AT_PATTERN))
+        .description(Some(
+            "RFC 3339, a year from 0002 to 9998 as written (the pattern `collected_at` has), at most a day ahead; not with `timeout_s`",
+        ))
+}
+
 /// A collector's key for a story (absent or `null`: none).
 pub fn source_key_schema() -> ObjectBuilder {
     ObjectBuilder::new()
