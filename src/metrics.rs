@@ -37,6 +37,12 @@
 //! | `newsnack_llm_provider_failures` | gauge | `provider` | failed calls in a row, every instance together; read at each scrape |
 //! | `newsnack_llm_provider_in_flight` | gauge | `provider` | calls in flight on it, every instance together; read at each scrape |
 //! | `newsnack_log_lines_dropped_total` | counter | | log and status lines lost because their destination failed (a closed pipe, a full disk; see [`crate::logging`]) |
+//! | `newsnack_issues` | gauge | `status` | issues in each status, every instance together (the kept counts); read at each scrape |
+//! | `newsnack_issues_ready` | gauge | | issues ready to claim now (`PENDING`), as `newsnack_scale_hint` counts them; read at each scrape |
+//! | `newsnack_listener_connected` | gauge | | 1 while this process's listener is connected and receiving, read at each scrape |
+//! | `newsnack_prune_failures_total` | counter | | prunes by the retention settings that failed on this instance |
+//! | `newsnack_pipeline_tick_timestamp_seconds` | gauge | | the newest tick of the `schedule` setting this instance's scheduler reached (Unix seconds; 0: none yet) |
+//! | `newsnack_pipeline_published_tick_timestamp_seconds` | gauge | | the tick of the newest scheduled run that published a briefing, every instance together (0: none); read at each scrape |
 //!
 //! Gauges that count something alive are driven by [`GaugeGuard`]s: the
 //! guard adds one when made and takes it away when dropped, on every exit
@@ -86,6 +92,12 @@ const WAITS_OPEN: &str = "newsnack_waits_open";
 const PRUNED_ROWS: &str = "newsnack_pruned_rows_total";
 const LAST_PRUNE_SECONDS: &str = "newsnack_last_prune_duration_seconds";
 const LAST_PRUNE_AT: &str = "newsnack_last_prune_timestamp_seconds";
+const PRUNE_FAILURES: &str = "newsnack_prune_failures_total";
+const ISSUES: &str = "newsnack_issues";
+const ISSUES_READY: &str = "newsnack_issues_ready";
+const LISTENER_CONNECTED: &str = "newsnack_listener_connected";
+const PIPELINE_TICK: &str = "newsnack_pipeline_tick_timestamp_seconds";
+const PIPELINE_PUBLISHED: &str = "newsnack_pipeline_published_tick_timestamp_seconds";
 
 /// The tables a prune removes rows from, as `newsnack_pruned_rows_total`
 /// labels them.
@@ -300,6 +312,29 @@ fn describe_and_register() {
     );
     gauge!(LAST_PRUNE_SECONDS).increment(0.0);
     gauge!(LAST_PRUNE_AT).increment(0.0);
+    describe_counter!(
+        PRUNE_FAILURES,
+        "Prunes by the retention settings that failed on this instance"
+    );
+    counter!(PRUNE_FAILURES).increment(0);
+    describe_gauge!(
+        ISSUES,
+        "Issues in each status, every instance together (kept counts)"
+    );
+    describe_gauge!(ISSUES_READY, "Issues ready to claim now (PENDING)");
+    describe_gauge!(
+        LISTENER_CONNECTED,
+        "1 while this process's listener is connected and receiving"
+    );
+    describe_gauge!(
+        PIPELINE_TICK,
+        "The newest schedule tick this instance's scheduler reached (Unix seconds; 0: none yet)"
+    );
+    describe_gauge!(
+        PIPELINE_PUBLISHED,
+        "The tick of the newest scheduled run that published a briefing (Unix seconds; 0: none)"
+    );
+    gauge!(PIPELINE_TICK).increment(0.0);
     counter!(UNVERIFIED_NOTIFICATIONS).increment(0);
     counter!(COMPLETIONS_DEFERRED).increment(0);
     counter!(AUTH_REJECTIONS).increment(0);
@@ -437,6 +472,43 @@ pub fn pruned(removed: &[(&'static str, i64)], took: Duration) {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     gauge!(LAST_PRUNE_AT).set(now.as_secs_f64());
+}
+
+/// A prune by the retention settings failed.
+pub fn prune_failed() {
+    let _ = install();
+    counter!(PRUNE_FAILURES).increment(1);
+}
+
+/// The issues in each status and those ready to claim, as the kept counts
+/// said at this scrape.
+pub fn issues(counts: &[(crate::model::status::Status, i64)]) {
+    let _ = install();
+    for &(status, n) in counts {
+        gauge!(ISSUES, "status" => status.as_str()).set(n as f64);
+        if status == crate::model::status::Status::Pending {
+            gauge!(ISSUES_READY).set(n as f64);
+        }
+    }
+}
+
+/// Whether this process's listener is connected, at this scrape.
+pub fn listener_connected(connected: bool) {
+    let _ = install();
+    gauge!(LISTENER_CONNECTED).set(f64::from(u8::from(connected)));
+}
+
+/// This instance's scheduler reached the schedule's tick `tick`.
+pub fn pipeline_tick(tick: time::OffsetDateTime) {
+    let _ = install();
+    gauge!(PIPELINE_TICK).set(tick.unix_timestamp() as f64);
+}
+
+/// The tick of the newest scheduled run that published a briefing, as the
+/// database said at this scrape.
+pub fn pipeline_published(tick: Option<time::OffsetDateTime>) {
+    let _ = install();
+    gauge!(PIPELINE_PUBLISHED).set(tick.map_or(0.0, |t| t.unix_timestamp() as f64));
 }
 
 /// A generation was abandoned: its issue left `IN_PROGRESS` under it.

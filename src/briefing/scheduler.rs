@@ -67,6 +67,7 @@ impl PipelineScheduler {
                 Ok(()) = changes.changed() => continue,
                 _ = sleep => {}
             }
+            crate::metrics::pipeline_tick(tick);
             if self.run_tick(tick, &shutdown).await {
                 armed = None;
                 continue;

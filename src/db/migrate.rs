@@ -152,6 +152,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "fallback provider",
         sql: include_str!("../../sql/0029_fallback_provider.sql"),
     },
+    Migration {
+        version: 32,
+        name: "scale hint",
+        sql: include_str!("../../sql/0032_scale_hint.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -78,6 +78,21 @@ pub async fn tick_has_run(client: &impl Sql, tick: OffsetDateTime) -> Result<boo
         .get(0))
 }
 
+/// The tick of the newest scheduled run that published a briefing, if
+/// any: the newest ticks first, along the one-run-per-tick index.
+pub async fn last_published_tick(client: &impl Sql) -> Result<Option<OffsetDateTime>, DbError> {
+    Ok(client
+        .sql()
+        .query_typed_one(
+            "SELECT (SELECT tick FROM pipeline_run
+                      WHERE trigger = 'schedule' AND briefing_id IS NOT NULL
+                      ORDER BY tick DESC LIMIT 1)",
+            &[],
+        )
+        .await?
+        .get(0))
+}
+
 /// Marks runs left `running` by an instance that died as `abandoned`.
 /// Call only while holding the pipeline lock (so none is really running).
 pub async fn abandon_stale(client: &impl Sql) -> Result<u64, DbError> {

@@ -120,21 +120,27 @@ pub fn router(services: Services) -> Router {
     Router::new().fallback_service(app)
 }
 
-/// `GET /metrics`: the Prometheus text format. The day's tokens and the
-/// providers' state are the cluster's, read from the database at each
-/// scrape; a database out of reach leaves them as last read rather than
-/// failing the scrape.
+/// `GET /metrics`: the Prometheus text format. The issues per status, the
+/// newest published scheduled run, the day's tokens and the providers'
+/// state are the cluster's, read from the database at each scrape; a
+/// database out of reach leaves them as last read rather than failing the
+/// scrape.
 async fn prometheus_metrics(
     State(state): State<AppState>,
 ) -> Result<Response<axum::body::Body>, ApiError> {
+    crate::metrics::listener_connected(state.hub.status().borrow().connected);
     let day = async {
         let client = state.pool.get().await?;
+        let counts = crate::db::issue::count_by_status(&client).await?;
+        let published = crate::db::pipeline_run::last_published_tick(&client).await?;
         let day = crate::db::llm_budget::day(&client).await?;
         let providers = crate::db::llm_budget::providers(&client).await?;
-        Ok::<_, crate::db::DbError>((day, providers))
+        Ok::<_, crate::db::DbError>((counts, published, day, providers))
     };
     match tokio::time::timeout(std::time::Duration::from_secs(2), day).await {
-        Ok(Ok((day, providers))) => {
+        Ok(Ok((counts, published, day, providers))) => {
+            crate::metrics::issues(&counts);
+            crate::metrics::pipeline_published(published);
             use crate::db::llm_budget::Held;
             crate::metrics::llm_day(
                 day.tokens,
@@ -151,8 +157,8 @@ async fn prometheus_metrics(
                 crate::metrics::llm_provider(p.provider, up, p.failures, p.in_flight);
             }
         }
-        Ok(Err(e)) => tracing::debug!(error = %e, "/metrics: cannot read the day's tokens"),
-        Err(_) => tracing::debug!("/metrics: the day's tokens took too long to read"),
+        Ok(Err(e)) => tracing::debug!(error = %e, "/metrics: cannot read the cluster's figures"),
+        Err(_) => tracing::debug!("/metrics: the cluster's figures took too long to read"),
     }
     let text = crate::metrics::render().map_err(|e| ApiError::Internal(e.to_string()))?;
     let mut response = Response::new(axum::body::Body::from(text));

@@ -55,6 +55,7 @@ impl Pruner {
             if let Some((held, _)) = &lock {
                 if let Err(e) = self.prune(held).await {
                     tracing::warn!(error = %e, "pruning failed");
+                    crate::metrics::prune_failed();
                     // A session that cannot write (a demoted primary) is
                     // let go with its lock.
                     if e.ends_session() {
