@@ -1,13 +1,13 @@
-//! Queries on the LLM budget all instances share (migrations 17, 28 and
-//! 29): the one exchange a holder has with it, and what the dashboard and
+//! Queries on the LLM budget all instances share (migrations 17, 28, 29
+//! and 30): the one exchange a holder has with it, typed both ways, and what the dashboard and
 //! the metrics show of it, the day's tokens and the providers' state
 //! included.
 
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{Json, Type};
 use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
@@ -43,11 +43,26 @@ pub enum ProviderOutcome {
     },
 }
 
-/// Where a granted call goes, and its class.
+/// Where a granted call goes, its class, and what a failure of it means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Route {
     pub provider: Provider,
     pub priority: Priority,
+    pub on_failure: OnFailure,
+}
+
+/// What a failure of a granted call means, as the budget decided when it
+/// granted it (step 9 of the exchange).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// The provider failing it (5xx, timeout, no connection, a rate
+    /// limit) sends it to the fallback provider at once, in the same
+    /// claim, its attempt unspent: it is on the primary, its holder has a
+    /// fallback, and `llm_fallback_for` lets its class go there.
+    Fallback,
+    /// A failure fails the attempt; the issue is retried later.
+    Retry,
 }
 
 /// What a holder brings to an exchange.
@@ -108,7 +123,7 @@ pub struct ExchangeAnswer {
 
 /// Which calls the day's token budget holds (`llm_daily_token_budget`,
 /// `llm_briefing_reserve_tokens`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Held {
     /// The day's tokens reached the budget less the briefing reserve:
@@ -119,14 +134,6 @@ pub enum Held {
 }
 
 impl Held {
-    fn parse(text: Option<&str>) -> Option<Held> {
-        match text? {
-            "feed" => Some(Held::Feed),
-            "all" => Some(Held::All),
-            _ => None,
-        }
-    }
-
     /// What is held, for people: `feed` or `all calls`.
     pub fn what(self) -> &'static str {
         match self {
@@ -138,99 +145,164 @@ impl Held {
 
 /// One exchange (`newsnack_llm_exchange`, one statement): renews the
 /// holder's lease, takes its finished calls back, records a pause, queues
-/// its new calls and grants what the budget allows, cluster-wide.
+/// its new calls and grants what the budget allows, cluster-wide. The
+/// request and the answer go as JSON, field by field.
 pub async fn exchange(
     client: &impl Sql,
     exchange: &Exchange<'_>,
 ) -> Result<ExchangeAnswer, DbError> {
-    let issue_ids: Vec<i64> = exchange.queue.iter().map(|c| c.issue_id).collect();
-    let claim_ids: Vec<i64> = exchange.queue.iter().map(|c| c.claim_id).collect();
-    let priorities: Vec<Option<&str>> = exchange
-        .queue
-        .iter()
-        .map(|c| c.priority.map(Priority::as_str))
-        .collect();
-    let fallback_only: Vec<bool> = exchange.queue.iter().map(|c| c.fallback_only).collect();
-    let (pause_s, pause_reason) = match exchange.pause {
-        Some((pause, reason)) => (Some(pause.as_secs_f64()), Some(reason)),
-        None => (None, None),
-    };
-    let report_providers: Vec<&str> = exchange
-        .reports
-        .iter()
-        .map(|r| r.provider.as_str())
-        .collect();
-    let report_ok: Vec<bool> = exchange
-        .reports
-        .iter()
-        .map(|r| r.outcome == ProviderOutcome::Ok)
-        .collect();
-    let (report_pauses, report_reasons): (Vec<Option<f64>>, Vec<Option<&str>>) = exchange
-        .reports
-        .iter()
-        .map(|r| match &r.outcome {
-            ProviderOutcome::Ok => (None, None),
-            ProviderOutcome::Failed { reason, pause } => {
-                (pause.map(|p| p.as_secs_f64()), Some(reason.as_str()))
-            }
-        })
-        .unzip();
     let row = client
         .sql()
         .query_typed_one(
-            "SELECT queued, granted, granted_providers, granted_priorities, holding, paused_for_s,
-                    pause_reason, paused_by, ask_again_in_s, tokens_today, held
-               FROM newsnack_llm_exchange($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,
-                                          $14, $15, $16, $17)",
-            &[
-                (&exchange.holder, Type::TEXT),
-                (&exchange.instance, Type::TEXT),
-                (&exchange.lease.as_secs_f64(), Type::FLOAT8),
-                (&exchange.has_fallback, Type::BOOL),
-                (&issue_ids, Type::INT8_ARRAY),
-                (&claim_ids, Type::INT8_ARRAY),
-                (&priorities, Type::TEXT_ARRAY),
-                (&fallback_only, Type::BOOL_ARRAY),
-                (&exchange.finished, Type::INT8_ARRAY),
-                (&exchange.tokens, Type::INT8),
-                (&report_providers, Type::TEXT_ARRAY),
-                (&report_ok, Type::BOOL_ARRAY),
-                (&report_pauses, Type::FLOAT8_ARRAY),
-                (&report_reasons, Type::TEXT_ARRAY),
-                (&pause_s, Type::FLOAT8),
-                (&pause_reason, Type::TEXT),
-                (&exchange.leaving, Type::BOOL),
-            ],
+            "SELECT answer FROM newsnack_llm_exchange($1)",
+            &[(&Json(Request::from(exchange)), Type::JSONB)],
         )
         .await?;
-    let seconds = |idx: usize| {
-        row.get::<_, Option<f64>>(idx)
-            .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO))
-    };
-    let providers: Vec<String> = row.get::<_, Option<Vec<String>>>(2).unwrap_or_default();
-    let classes: Vec<String> = row.get::<_, Option<Vec<String>>>(3).unwrap_or_default();
-    let routes = providers
-        .iter()
-        .zip(&classes)
-        .map(|(provider, priority)| Route {
-            provider: Provider::parse(provider).unwrap_or(Provider::Primary),
-            priority: Priority::parse(priority).unwrap_or(Priority::Briefing),
-        })
-        .collect();
-    Ok(ExchangeAnswer {
-        queued: row.get::<_, Option<Vec<i64>>>(0).unwrap_or_default(),
-        granted: row.get::<_, Option<Vec<i64>>>(1).unwrap_or_default(),
-        routes,
-        holding: row.get::<_, Option<i64>>(4).unwrap_or_default(),
-        pause: seconds(5).map(|remaining| PauseInForce {
-            remaining,
-            reason: row.get(6),
-            by: row.get(7),
-        }),
-        ask_again_in: seconds(8),
-        tokens_today: row.get::<_, Option<i64>>(9).unwrap_or_default(),
-        held: Held::parse(row.get(10)),
-    })
+    let Json(answer): Json<Answer> = row.get(0);
+    Ok(answer.into())
+}
+
+/// [`Exchange`] as the exchange reads it.
+#[derive(Debug, Serialize)]
+struct Request<'a> {
+    holder: &'a str,
+    instance: &'a str,
+    lease_s: f64,
+    has_fallback: bool,
+    queue: Vec<QueuedCall>,
+    finished: &'a [i64],
+    tokens: i64,
+    reports: Vec<Report<'a>>,
+    pause: Option<Pause<'a>>,
+    leaving: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct QueuedCall {
+    issue_id: i64,
+    claim_id: i64,
+    priority: Option<Priority>,
+    fallback_only: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Report<'a> {
+    provider: Provider,
+    ok: bool,
+    pause_s: Option<f64>,
+    reason: Option<&'a str>,
+}
+
+#[derive(Debug, Serialize)]
+struct Pause<'a> {
+    s: f64,
+    reason: &'a str,
+}
+
+impl<'a> From<&Exchange<'a>> for Request<'a> {
+    fn from(exchange: &Exchange<'a>) -> Self {
+        Request {
+            holder: exchange.holder,
+            instance: exchange.instance,
+            lease_s: exchange.lease.as_secs_f64(),
+            has_fallback: exchange.has_fallback,
+            queue: exchange
+                .queue
+                .iter()
+                .map(|c| QueuedCall {
+                    issue_id: c.issue_id,
+                    claim_id: c.claim_id,
+                    priority: c.priority,
+                    fallback_only: c.fallback_only,
+                })
+                .collect(),
+            finished: exchange.finished,
+            tokens: exchange.tokens,
+            reports: exchange
+                .reports
+                .iter()
+                .map(|r| match &r.outcome {
+                    ProviderOutcome::Ok => Report {
+                        provider: r.provider,
+                        ok: true,
+                        pause_s: None,
+                        reason: None,
+                    },
+                    ProviderOutcome::Failed { reason, pause } => Report {
+                        provider: r.provider,
+                        ok: false,
+                        pause_s: pause.map(|p| p.as_secs_f64()),
+                        reason: Some(reason),
+                    },
+                })
+                .collect(),
+            pause: exchange.pause.map(|(pause, reason)| Pause {
+                s: pause.as_secs_f64(),
+                reason,
+            }),
+            leaving: exchange.leaving,
+        }
+    }
+}
+
+/// The exchange's answer, as it writes it (see [`ExchangeAnswer`]).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Answer {
+    queued: Vec<i64>,
+    granted: Vec<Granted>,
+    holding: i64,
+    pause: Option<AnswerPause>,
+    ask_again_in_s: Option<f64>,
+    tokens_today: i64,
+    held: Option<Held>,
+}
+
+#[derive(Deserialize)]
+struct Granted {
+    id: i64,
+    provider: Provider,
+    priority: Priority,
+    on_failure: OnFailure,
+}
+
+#[derive(Deserialize)]
+struct AnswerPause {
+    remaining_s: f64,
+    reason: Option<String>,
+    by: Option<String>,
+}
+
+impl From<Answer> for ExchangeAnswer {
+    fn from(answer: Answer) -> Self {
+        let seconds = |s: f64| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO);
+        let (granted, routes) = answer
+            .granted
+            .into_iter()
+            .map(|g| {
+                let route = Route {
+                    provider: g.provider,
+                    priority: g.priority,
+                    on_failure: g.on_failure,
+                };
+                (g.id, route)
+            })
+            .unzip();
+        ExchangeAnswer {
+            queued: answer.queued,
+            granted,
+            routes,
+            holding: answer.holding,
+            pause: answer.pause.map(|p| PauseInForce {
+                remaining: seconds(p.remaining_s),
+                reason: p.reason,
+                by: p.by,
+            }),
+            ask_again_in: answer.ask_again_in_s.map(seconds),
+            tokens_today: answer.tokens_today,
+            held: answer.held,
+        }
+    }
 }
 
 /// The last pause, as the dashboard shows it.

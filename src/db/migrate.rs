@@ -153,6 +153,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../sql/0029_fallback_provider.sql"),
     },
     Migration {
+        version: 30,
+        name: "budget steps",
+        sql: include_str!("../../sql/0030_budget_steps.sql"),
+    },
+    Migration {
         version: 32,
         name: "scale hint",
         sql: include_str!("../../sql/0032_scale_hint.sql"),

@@ -40,6 +40,7 @@ use crate::claims::claim::release_claims;
 use crate::db::issue::{self, ClaimedIssue};
 use crate::db::{DbError, DbPool};
 use crate::events::stream::TransitionStream;
+use crate::generation::budget::failure::{self, Next};
 use crate::generation::budget::{BudgetAgent, CallSlot, LlmBudget};
 use crate::generation::completion::{record_outcome, record_unrecorded, Completer, Generated};
 use crate::model::llm::{Priority, Provider};
@@ -673,9 +674,8 @@ enum Called {
 /// Calls the writer of the provider `slot` was granted on, for `claimed`,
 /// with the prompts as the settings say now (a change reaches the next
 /// call; `known`, read before the wait, stands in should the database be
-/// out of reach). With a fallback provider, how the provider did goes back
-/// with the slot, for its circuit; a pause the primary asked for goes back
-/// as every instance's pause of the primary.
+/// out of reach). What follows a failure is what the budget said when it
+/// granted the call ([`failure::after_call`]).
 async fn call_writer(
     generation: &Generation,
     claimed: &ClaimedIssue,
@@ -685,11 +685,10 @@ async fn call_writer(
     let now = generation.settings.get().await.ok().or(known);
     let defaults = Settings::default();
     let settings = now.as_deref().unwrap_or(&defaults);
-    let route = match &slot {
-        Slot::Shared(slot) => Some(slot.route()),
-        Slot::Local { .. } => None,
+    let provider = match &slot {
+        Slot::Shared(slot) => slot.route().provider,
+        Slot::Local { .. } => Provider::Primary,
     };
-    let provider = route.map_or(Provider::Primary, |r| r.provider);
     let writer = match (&generation.fallback, provider) {
         (Some(fallback), Provider::Fallback) => &fallback.writer,
         _ => &generation.writer,
@@ -706,48 +705,30 @@ async fn call_writer(
     tracing::debug!(issue = claimed.id, provider = provider.as_str(), elapsed = ?started.elapsed(), ok = result.is_ok(), "writer answered");
     // The slot bounds LLM calls only: it is given back here, before the
     // outcome waits for its batch.
-    let Slot::Shared(mut slot) = slot else {
+    let Slot::Shared(slot) = slot else {
         return Called::Answered {
             result,
             quota_pause: None,
             provider,
         };
     };
-    let has_fallback = generation.fallback.is_some();
-    let down = result.as_ref().err().filter(|e| e.kind().provider_down());
-    let pause = result
-        .as_ref()
-        .err()
-        .and_then(WriteError::pause)
-        .filter(|p| !p.is_zero());
-    match (down, provider) {
-        (None, _) => {
-            if has_fallback && result.is_ok() {
-                slot.provider_answered();
-            }
-        }
-        (Some(e), Provider::Primary) => {
-            if let Some(pause) = pause {
-                tracing::warn!(issue = claimed.id, pause_s = pause.as_secs_f64(), reason = %e, "the LLM asked every caller to wait: pausing the primary's calls on every instance");
-                slot.finish_pausing(pause, e.reason().to_string());
-            } else if has_fallback {
-                slot.provider_failed(e.reason().to_string(), None);
-            }
-            let class = route.map_or(Priority::Briefing, |r| r.priority);
-            if has_fallback && settings.llm_fallback_for.allows(class) {
-                tracing::warn!(issue = claimed.id, reason = %e, "the primary LLM failed the call; asking the fallback");
-                return Called::SwitchToFallback;
-            }
-        }
-        (Some(e), Provider::Fallback) => {
-            slot.provider_failed(e.reason().to_string(), pause);
-        }
+    let after = failure::after_call(slot.route(), generation.fallback.is_some(), &result);
+    if let (Some((pause, _)), Err(e)) = (&after.pause_primary, &result) {
+        tracing::warn!(issue = claimed.id, pause_s = pause.as_secs_f64(), reason = %e, "the LLM asked every caller to wait: pausing the primary's calls on every instance");
     }
-    Called::Answered {
-        result,
-        // A pause gives the attempt back (the quota failed, not the article).
-        quota_pause: pause,
-        provider,
+    slot.give_back(after.report, after.pause_primary);
+    match after.next {
+        Next::AskFallback => {
+            if let Err(e) = &result {
+                tracing::warn!(issue = claimed.id, reason = %e, "the primary LLM failed the call; asking the fallback");
+            }
+            Called::SwitchToFallback
+        }
+        Next::Record { quota_pause } => Called::Answered {
+            result,
+            quota_pause,
+            provider,
+        },
     }
 }
 

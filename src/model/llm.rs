@@ -34,7 +34,7 @@ impl Priority {
 
 /// The LLM provider a call goes to: `NEWSNACK_LLM_URL`'s, or
 /// `NEWSNACK_LLM_FALLBACK_URL`'s while the primary is down.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Provider {
     Primary,

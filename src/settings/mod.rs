@@ -49,15 +49,6 @@ pub enum FallbackFor {
 }
 
 impl FallbackFor {
-    /// Whether a call of `class` may go to the fallback.
-    pub fn allows(self, class: crate::model::llm::Priority) -> bool {
-        match self {
-            FallbackFor::All => true,
-            FallbackFor::Briefing => class == crate::model::llm::Priority::Briefing,
-            FallbackFor::None => false,
-        }
-    }
-
     /// The setting's value; `None` for anything else.
     pub fn parse(value: &str) -> Option<FallbackFor> {
         match value.trim().to_ascii_lowercase().as_str() {
