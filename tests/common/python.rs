@@ -87,3 +87,22 @@ fn run_or_fail(command: &mut Command, failed: impl FnOnce(String) -> String) {
         failed(String::from_utf8_lossy(&out.stderr).into_owned())
     );
 }
+
+/// The Airflow provider in this checkout (`integrations/airflow`).
+pub const PROVIDER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/integrations/airflow");
+/// Apache Airflow 3 (the newest release) with the provider's test tools.
+pub const AIRFLOW_3: &[&str] = &["apache-airflow==3.3.2", "pytest==9.2.0", "mypy==2.4.1"];
+/// Apache Airflow 2.10, the oldest the provider supports.
+pub const AIRFLOW_2: &[&str] = &["apache-airflow==2.10.5", "pytest==9.2.0"];
+
+/// The `bin` directory of a venv holding `requirements` and the provider
+/// as an editable install of this checkout (its edits need no reinstall).
+pub async fn provider_venv(name: &'static str, requirements: &'static [&'static str]) -> PathBuf {
+    tokio::task::spawn_blocking(move || {
+        let mut all = requirements.to_vec();
+        all.extend(["-e", PROVIDER]);
+        venv(name, &all)
+    })
+    .await
+    .unwrap()
+}
