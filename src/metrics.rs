@@ -21,7 +21,7 @@
 //! | `newsnack_listener_reconnects_total` | counter | | listening sessions lost (each is followed by a reconnect) |
 //! | `newsnack_advisory_lock_held` | gauge | `lock` | advisory locks of that name this process holds (0 or 1) |
 //! | `newsnack_sse_clients` | gauge | | connected `GET /events` clients |
-//! | `newsnack_auth_rejections_total` | counter | | requests refused for a missing or wrong token |
+//! | `newsnack_auth_rejections_total` | counter | `reason` = `missing`/`malformed`/`wrong`/`forbidden` | requests refused by the token check ([`crate::http::auth`]): no token, an unreadable `Authorization` header, a token that is none of the configured ones, a token that does not open the request |
 //! | `newsnack_llm_tokens_total` | counter | `kind` = `prompt`/`completion` | tokens the LLM reported for this process's calls |
 //! | `newsnack_llm_calls_waiting` | gauge | | this process's LLM calls waiting for the shared budget |
 //! | `newsnack_llm_paused` | gauge | | 1 while a rate limit's pause holds every instance's LLM calls, as this process last saw it |
@@ -207,8 +207,11 @@ fn describe_and_register() {
     describe_gauge!(SSE_CLIENTS, "Connected server-sent-event clients");
     describe_counter!(
         AUTH_REJECTIONS,
-        "Requests refused for a missing or wrong API token"
+        "Requests refused by the token check, by reason"
     );
+    for reason in AUTH_REASONS {
+        counter!(AUTH_REJECTIONS, "reason" => reason).increment(0);
+    }
     describe_counter!(LLM_TOKENS, "Tokens the LLM reported, by kind");
     describe_gauge!(
         LLM_CALLS_WAITING,
@@ -601,10 +604,14 @@ pub fn log_line_dropped() {
     LOG_LINES_DROPPED_SO_FAR.fetch_add(1, Ordering::Relaxed);
 }
 
-/// A request was refused for a missing or wrong API token.
-pub fn auth_rejected() {
+/// The `reason`s of `newsnack_auth_rejections_total`.
+pub const AUTH_REASONS: [&str; 4] = ["missing", "malformed", "wrong", "forbidden"];
+
+/// A request was refused by the token check, for `reason` (one of
+/// [`AUTH_REASONS`]).
+pub fn auth_rejected(reason: &'static str) {
     let _ = install();
-    counter!(AUTH_REJECTIONS).increment(1);
+    counter!(AUTH_REJECTIONS, "reason" => reason).increment(1);
 }
 
 #[cfg(test)]

@@ -44,9 +44,8 @@ pub struct ServeOptions {
     pub pool_size: usize,
     /// How long in-flight generations may finish after shutdown begins.
     pub grace: Duration,
-    /// When set (non-empty), non-read API requests need
-    /// `Authorization: Bearer <token>`.
-    pub api_token: Option<String>,
+    /// The tokens API requests must present ([`http::auth`]).
+    pub tokens: http::auth::Tokens,
     /// Claimed issues this instance may hold unfinished before
     /// `POST /ai-articles` turns new requests away with 503.
     pub max_backlog: usize,
@@ -73,7 +72,7 @@ pub enum ServeError {
     #[error("HTTP server failed: {0}")]
     Http(std::io::Error),
     #[error(transparent)]
-    Token(#[from] http::auth::UnusableToken),
+    Token(#[from] http::auth::BadToken),
 }
 
 /// A started service.
@@ -307,7 +306,7 @@ pub async fn start(
     options: ServeOptions,
     writer: impl Into<Writers>,
 ) -> Result<RunningService, ServeError> {
-    http::auth::check_configurable(options.api_token.as_deref())?;
+    options.tokens.check()?;
     raise_open_files_limit();
     let shutdown = CancellationToken::new();
     let (database, database_url, embedded) = database(
@@ -355,7 +354,7 @@ pub async fn start(
         generator: core.generator.clone(),
         settings: core.settings.clone(),
         shutdown: shutdown.clone(),
-        api_token: options.api_token.clone(),
+        tokens: options.tokens.clone(),
         max_backlog: options.max_backlog,
     });
     let socket = tokio::net::TcpListener::bind(options.listen)
@@ -365,6 +364,13 @@ pub async fn start(
             source,
         })?;
     let addr = socket.local_addr().map_err(ServeError::Http)?;
+    if !addr.ip().is_loopback() && !options.tokens.guard_the_api() {
+        tracing::warn!(
+            %addr,
+            "listening beyond this machine with no token: whoever reaches the port reads and changes everything; \
+             set NEWSNACK_API_TOKEN (and NEWSNACK_READ_TOKEN for read-only access)"
+        );
+    }
     let http = tokio::spawn(http::server::serve(socket, app, shutdown.clone()));
     tracing::info!(%addr, instance = %options.instance, "newsnack is serving");
     Ok(RunningService {

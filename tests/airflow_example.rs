@@ -41,7 +41,10 @@ const REFUSING: FatalFor = FatalFor {
 async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
     let setup = Setup {
         pool_size: Some(8),
-        api_token: token.map(str::to_string),
+        tokens: newsnack::http::auth::Tokens {
+            api: token.map(str::to_string),
+            ..Default::default()
+        },
         ..Setup::default()
     };
     db.serve_with("airflow-example", Arc::new(REFUSING), setup)

@@ -188,7 +188,7 @@ async fn failing_articles_in_flight_with_plain_sql_drops_their_calls() {
 async fn the_endpoint_and_the_command_cancel_within_the_legal_transitions() {
     let db = TestDb::new().await;
     let setup = common::Setup {
-        api_token: Some("secret".into()),
+        tokens: newsnack::http::auth::Tokens::api("cancel-test-token-7d2e"),
         ..common::Setup::default()
     };
     let offline: SharedWriter = std::sync::Arc::new(writer::OfflineWriter);
@@ -211,7 +211,7 @@ async fn the_endpoint_and_the_command_cancel_within_the_legal_transitions() {
     assert_eq!(status, 401, "{body}");
     assert_eq!(db.status_of(ids[0]).await, "PENDING");
 
-    let (status, body) = cancel(ids[0], Some("secret")).await;
+    let (status, body) = cancel(ids[0], Some("cancel-test-token-7d2e")).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["id"], ids[0]);
     assert_eq!(body["status"], "FAILED");
@@ -247,12 +247,12 @@ async fn the_endpoint_and_the_command_cancel_within_the_legal_transitions() {
     ];
     assert_eq!(log(ids[0]).await, expected);
     // Again: the same answer, nothing logged.
-    let (status, again) = cancel(ids[0], Some("secret")).await;
+    let (status, again) = cancel(ids[0], Some("cancel-test-token-7d2e")).await;
     assert_eq!(status, 200);
     assert_eq!(again["status"], "FAILED");
     assert_eq!(log(ids[0]).await, expected);
 
-    let (status, body) = cancel(999_999, Some("secret")).await;
+    let (status, body) = cancel(999_999, Some("cancel-test-token-7d2e")).await;
     assert_eq!(status, 404, "{body}");
     assert_eq!(body["error"], "no issue with id 999999");
 
@@ -268,7 +268,7 @@ async fn the_endpoint_and_the_command_cancel_within_the_legal_transitions() {
         ),
     )
     .await;
-    let (status, body) = cancel(ids[1], Some("secret")).await;
+    let (status, body) = cancel(ids[1], Some("cancel-test-token-7d2e")).await;
     assert_eq!(status, 409, "{body}");
     assert!(body["error"].as_str().unwrap().contains("DONE"), "{body}");
 
@@ -309,7 +309,7 @@ async fn the_endpoint_and_the_command_cancel_within_the_legal_transitions() {
 async fn claim_all_with_token(http: &reqwest::Client, addr: std::net::SocketAddr, ids: &[i64]) {
     let response = http
         .post(format!("http://{addr}/ai-articles"))
-        .bearer_auth("secret")
+        .bearer_auth("cancel-test-token-7d2e")
         .json(&json!({ "issue_ids": ids }))
         .send()
         .await

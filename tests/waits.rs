@@ -568,7 +568,7 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
         generator: handle,
         settings,
         shutdown,
-        api_token: None,
+        tokens: Default::default(),
         max_backlog: 10,
     });
     let socket = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -73,7 +73,7 @@ pub fn serve_options(url: &str, instance: &str, pool_size: usize) -> ServeOption
         instance: instance.into(),
         pool_size,
         grace: Duration::from_secs(5),
-        api_token: None,
+        tokens: Default::default(),
         max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
     }
 }

@@ -65,6 +65,13 @@ pub(super) async fn serve(
     direct: Option<String>,
     args: ServeArgs,
 ) -> Result<ExitCode, CliError> {
+    let tokens = crate::http::auth::Tokens {
+        api: args.api_token,
+        read: args.read_token,
+        metrics: args.metrics_token,
+    };
+    // Before anything is logged: a bad token is the one line printed.
+    tokens.check().map_err(crate::serve::ServeError::from)?;
     let writer = crate::writer::build_all(&crate::writer::WriterConfig::from_env()?)?;
     tracing::info!(
         writer = writer.primary.name(),
@@ -80,7 +87,7 @@ pub(super) async fn serve(
             .unwrap_or_else(crate::serve::default_instance_name),
         pool_size: args.pool_size as usize,
         grace: Duration::from_secs(args.grace_s),
-        api_token: args.api_token.filter(|t| !t.trim().is_empty()),
+        tokens,
         max_backlog: args.max_backlog as usize,
     };
     let embedded = options.database_url.is_none();

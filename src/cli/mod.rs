@@ -170,11 +170,21 @@ pub struct ServeArgs {
     /// before they are released as FAILED (reason `shutdown`).
     #[arg(long, env = "NEWSNACK_SHUTDOWN_GRACE_S", default_value_t = 10)]
     pub grace_s: u64,
-    /// Bearer token every API request other than GET, HEAD and OPTIONS
-    /// must carry (`Authorization: Bearer <token>`); printable ASCII.
-    /// Unset or empty: no token needed.
+    /// Token that opens every API request, as `Authorization: Bearer
+    /// <token>` or as the password of HTTP Basic; at least 16 visible
+    /// ASCII characters. Unset (and no read token): no token needed.
     #[arg(long, env = "NEWSNACK_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
+    /// Token that opens GET and HEAD requests only (the dashboard, the
+    /// event stream, reading issues and briefings); must differ from the
+    /// API token. With either token set, every route but /healthz, /readyz
+    /// and /metrics needs one.
+    #[arg(long, env = "NEWSNACK_READ_TOKEN", hide_env_values = true)]
+    pub read_token: Option<String>,
+    /// Token that opens GET /metrics (the API token opens it too). Unset:
+    /// /metrics is open.
+    #[arg(long, env = "NEWSNACK_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
     /// Claimed issues this instance may hold unfinished before
     /// `POST /ai-articles` answers 503 (try later, or another instance).
     #[arg(long, env = "NEWSNACK_MAX_BACKLOG", default_value_t = crate::serve::ServeOptions::DEFAULT_MAX_BACKLOG as u32, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]

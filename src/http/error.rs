@@ -30,7 +30,11 @@ pub enum ApiError {
     /// 409 with extra fields next to `error`.
     Conflict(String, serde_json::Value),
     NotFound(String),
+    /// 401: no token, or a wrong one ([`super::auth`]).
     Unauthorized,
+    /// 403: a token that does not open the request (a read token on a
+    /// write).
+    Forbidden,
     /// 503 with `Retry-After`: the database is out of reach or out of
     /// connections.
     Unavailable(String),
@@ -79,6 +83,10 @@ impl IntoResponse for ApiError {
             ApiError::Unauthorized => (
                 StatusCode::UNAUTHORIZED,
                 serde_json::json!({ "error": "missing or wrong bearer token" }),
+            ),
+            ApiError::Forbidden => (
+                StatusCode::FORBIDDEN,
+                serde_json::json!({ "error": "this token does not allow this request (a read token only reads)" }),
             ),
             ApiError::Unavailable(message) => {
                 tracing::warn!(%message, "answering 503");

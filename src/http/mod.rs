@@ -4,8 +4,7 @@
 //!
 //! Around every route: an `x-request-id` (the client's, or a new UUID) set on
 //! the request and echoed on the response, a request span carrying that id,
-//! the method and the path, and the API token check on non-read requests
-//! ([`auth`]). A handler that panics is answered 500 `{"error": ..}` (and
+//! the method and the path, and the token check ([`auth`]). A handler that panics is answered 500 `{"error": ..}` (and
 //! logged) rather than with a dropped connection. `GET /metrics` renders
 //! [`crate::metrics`].
 
@@ -75,9 +74,8 @@ pub struct Services {
     pub settings: Arc<SettingsCache>,
     /// Cancelled on shutdown: long requests (waits) end with 503.
     pub shutdown: tokio_util::sync::CancellationToken,
-    /// When set (non-empty), non-read requests need `Authorization: Bearer`
-    /// with it ([`auth`]).
-    pub api_token: Option<String>,
+    /// The tokens requests must present ([`auth`]).
+    pub tokens: auth::Tokens,
     /// `POST /ai-articles` answers 503 while the generator holds this many
     /// unfinished claims.
     pub max_backlog: usize,
@@ -86,7 +84,7 @@ pub struct Services {
 /// The whole API.
 pub fn router(services: Services) -> Router {
     let state = AppState(Arc::new(services));
-    let token = auth::ApiToken::new(state.api_token.as_deref());
+    let access = auth::Access::new(&state.tokens);
     let routes = Router::new()
         .merge(issues::router())
         .merge(articles::router())
@@ -95,7 +93,7 @@ pub fn router(services: Services) -> Router {
         .merge(briefings::router())
         .merge(events::router())
         .merge(dashboard::router())
-        .merge(openapi::router(token.is_required()))
+        .merge(openapi::router(state.tokens.guard_the_api()))
         .route("/metrics", get(prometheus_metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -114,7 +112,7 @@ pub fn router(services: Services) -> Router {
         )
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(CatchPanicLayer::custom(panic_response))
-        .layer(ValidateRequestHeaderLayer::custom(token))
+        .layer(ValidateRequestHeaderLayer::custom(access))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .service(routes);
     Router::new().fallback_service(app)

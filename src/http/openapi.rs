@@ -14,8 +14,10 @@
 //! - every operation: 500 (a fault, or a stored date the service cannot
 //!   represent), and 503 with `Retry-After` for those that use the
 //!   database (out of reach, out of connections, read-only, shutting down);
-//! - with an API token configured, every operation but reads: the `bearer`
-//!   security scheme and 401 with `WWW-Authenticate: Bearer`.
+//! - with an API or read token configured, every operation but the probes
+//!   (`/healthz`, `/readyz`): the `bearer` and `basic` security schemes
+//!   (either one), 401 with `WWW-Authenticate` and 403 (a token that does
+//!   not open it: the read token on a write).
 //!
 //! Every error body is [`ErrorBody`] (a 409 carries more fields). The
 //! request schemas state the limits the service checks: 1 to
@@ -81,15 +83,21 @@ pub struct ApiDoc;
 
 /// The document as `GET /openapi.json` serves it: [`ApiDoc`] with the
 /// failures shared by operations of a kind (see the module docs), and the
-/// bearer scheme on every non-read operation when `token_required`.
-pub fn document(token_required: bool) -> Value {
+/// security schemes on every operation but the probes when `guarded` (an
+/// API or read token is configured).
+pub fn document(guarded: bool) -> Value {
     let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_else(|_| json!({}));
-    if token_required {
+    if guarded {
         doc["components"]["securitySchemes"] = json!({
             "bearer": {
                 "type": "http",
                 "scheme": "bearer",
-                "description": "`Authorization: Bearer <NEWSNACK_API_TOKEN>`, on every request but reads"
+                "description": "`Authorization: Bearer <token>`: the read token (`NEWSNACK_READ_TOKEN`) opens `GET` and `HEAD`, the API token (`NEWSNACK_API_TOKEN`) everything"
+            },
+            "basic": {
+                "type": "http",
+                "scheme": "basic",
+                "description": "HTTP Basic with the token as the password and any user name (what a browser sends after its prompt); the same tokens as `bearer`"
             }
         });
     }
@@ -110,7 +118,7 @@ pub fn document(token_required: bool) -> Value {
                 continue;
             };
             for (method, operation) in operations.iter_mut() {
-                shared_failures(path, method, operation, token_required);
+                shared_failures(path, method, operation, guarded);
             }
         }
     }
@@ -187,12 +195,12 @@ fn links() -> [(
 }
 
 /// Paths that answer without the database (`/readyz` documents its own
-/// 503, with its own body).
-const WITHOUT_DATABASE: &[&str] = &["/healthz", "/readyz"];
+/// 503, with its own body) and without a token.
+const PROBES: &[&str] = &["/healthz", "/readyz"];
 
 /// Adds to `operation` the failures shared code answers (see the module
 /// docs), keeping any its annotation already gives.
-fn shared_failures(path: &str, method: &str, operation: &mut Value, token_required: bool) {
+fn shared_failures(path: &str, method: &str, operation: &mut Value, guarded: bool) {
     let has_body = operation.get("requestBody").is_some();
     let has_path_id = operation["parameters"]
         .as_array()
@@ -217,19 +225,33 @@ fn shared_failures(path: &str, method: &str, operation: &mut Value, token_requir
     if has_path_id {
         failures.push((400, "The path id is not a positive integer", None));
     }
-    let writes = method != "get";
-    if writes && token_required {
-        operation["security"] = json!([{ "bearer": [] }]);
+    if guarded && !PROBES.contains(&path) {
+        operation["security"] = json!([{ "bearer": [] }, { "basic": [] }]);
+        let opens = if method == "get" || method == "head" {
+            "the read token or the API token"
+        } else {
+            "the API token"
+        };
+        if let Some(description) = operation["description"].as_str() {
+            operation["description"] = json!(format!("{description}\n\nNeeds {opens}."));
+        } else {
+            operation["description"] = json!(format!("Needs {opens}."));
+        }
         failures.push((
             401,
-            "No `Authorization: Bearer` header, or a wrong token; nothing was done",
+            "No token (`Authorization: Bearer` or Basic), or one that is none of the configured tokens; nothing was done",
             Some(json!({
                 "WWW-Authenticate": {
-                    "description": "`Bearer`",
+                    "description": "Two challenges: `Bearer realm=\"newsnack\"` and `Basic realm=\"newsnack\", charset=\"UTF-8\"`",
                     "required": true,
                     "schema": { "type": "string" }
                 }
             })),
+        ));
+        failures.push((
+            403,
+            "A configured token that does not open this operation (the read token on a write, the metrics token anywhere but `/metrics`); nothing was done",
+            None,
         ));
     }
     failures.push((
@@ -237,7 +259,7 @@ fn shared_failures(path: &str, method: &str, operation: &mut Value, token_requir
         "An internal fault (logged), or a stored date the service cannot represent (written with plain SQL; the message names the row and the column)",
         None,
     ));
-    if !WITHOUT_DATABASE.contains(&path) {
+    if !PROBES.contains(&path) {
         failures.push((
             503,
             "The database is out of reach, out of connections or read-only, or the server is shutting down; try again after `Retry-After` seconds",
@@ -274,8 +296,8 @@ fn shared_failures(path: &str, method: &str, operation: &mut Value, token_requir
     }
 }
 
-pub fn router(token_required: bool) -> Router<AppState> {
-    let body: Arc<str> = document(token_required).to_string().into();
+pub fn router(guarded: bool) -> Router<AppState> {
+    let body: Arc<str> = document(guarded).to_string().into();
     Router::new().route(
         "/openapi.json",
         get(move || {
@@ -336,7 +358,7 @@ mod tests {
     }
 
     #[test]
-    fn bodies_and_path_ids_share_their_failures_and_writes_need_the_token() {
+    fn bodies_and_path_ids_share_their_failures_and_guarded_operations_name_their_tokens() {
         let open = document(false);
         let post = &open["paths"]["/ai-articles"]["post"];
         for status in ["400", "413", "415", "422", "500", "503"] {
@@ -347,17 +369,27 @@ mod tests {
         assert!(open["components"]["securitySchemes"].is_null());
 
         let guarded = document(true);
+        let either = json!([{ "bearer": [] }, { "basic": [] }]);
         let post = &guarded["paths"]["/ai-articles"]["post"];
-        assert_eq!(post["security"], json!([{ "bearer": [] }]));
+        assert_eq!(post["security"], either);
         assert!(post["responses"]["401"]["headers"]["WWW-Authenticate"].is_object());
-        assert_eq!(
-            guarded["components"]["securitySchemes"]["bearer"]["scheme"],
-            "bearer"
-        );
+        assert!(post["responses"]["403"].is_object());
+        assert!(post["description"].as_str().unwrap().ends_with("Needs the API token."));
+        let schemes = &guarded["components"]["securitySchemes"];
+        assert_eq!(schemes["bearer"]["scheme"], "bearer");
+        assert_eq!(schemes["basic"]["scheme"], "basic");
         let get = &guarded["paths"]["/issues/{id}"]["get"];
-        assert!(get["security"].is_null() && get["responses"]["401"].is_null());
-        for status in ["200", "400", "404", "500", "503"] {
+        assert_eq!(get["security"], either);
+        assert!(get["description"]
+            .as_str()
+            .unwrap()
+            .ends_with("Needs the read token or the API token."));
+        for status in ["200", "400", "401", "403", "404", "500", "503"] {
             assert!(get["responses"][status].is_object(), "{status}");
+        }
+        for probe in ["/healthz", "/readyz"] {
+            let get = &guarded["paths"][probe]["get"];
+            assert!(get["security"].is_null() && get["responses"]["401"].is_null());
         }
         assert!(guarded["paths"]["/healthz"]["get"]["responses"]["503"].is_null());
     }

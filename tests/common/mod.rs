@@ -568,8 +568,8 @@ pub struct GeneratorApart {
 /// ([`TestDb::serve`]); each field left `None` keeps the plain value.
 #[derive(Clone, Debug, Default)]
 pub struct Setup {
-    /// Non-read requests need `Authorization: Bearer <token>`.
-    pub api_token: Option<String>,
+    /// The tokens requests must present (none).
+    pub tokens: newsnack::http::auth::Tokens,
     /// The service's sessions go through this URL (a pooler, a gate)
     /// instead of the database's own.
     pub pooled_url: Option<String>,
@@ -596,10 +596,11 @@ impl Setup {
         }
     }
 
-    /// Non-read requests need `Authorization: Bearer <token>`.
+    /// Every request but the probes and `/metrics` needs the API token
+    /// `token`.
     pub fn with_token(token: &str) -> Setup {
         Setup {
-            api_token: Some(token.to_string()),
+            tokens: newsnack::http::auth::Tokens::api(token),
             ..Setup::default()
         }
     }
@@ -614,7 +615,7 @@ impl Setup {
             instance: instance.into(),
             pool_size: self.pool_size.unwrap_or(16),
             grace: self.grace.unwrap_or(Duration::from_secs(5)),
-            api_token: self.api_token,
+            tokens: self.tokens,
             max_backlog: self
                 .max_backlog
                 .unwrap_or(ServeOptions::DEFAULT_MAX_BACKLOG),
