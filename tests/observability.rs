@@ -248,10 +248,7 @@ async fn every_change_needs_the_token() {
     }
     let head = http.head(format!("{base}/healthz")).send().await.unwrap();
     assert_eq!(head.status(), StatusCode::OK, "HEAD /healthz");
-    for path in [
-        format!("/issues/{}", ids[0]),
-        "/pipeline-runs".to_string(),
-    ] {
+    for path in [format!("/issues/{}", ids[0]), "/pipeline-runs".to_string()] {
         let url = format!("{base}{path}");
         let without = http.get(&url).send().await.unwrap();
         assert_eq!(without.status(), StatusCode::UNAUTHORIZED, "GET {path}");

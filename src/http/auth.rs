@@ -121,9 +121,13 @@ impl Tokens {
 
     /// Each configured token, trimmed, with its name.
     fn named(&self) -> impl Iterator<Item = (&'static str, &str)> {
-        [(API, &self.api), (READ, &self.read), (METRICS, &self.metrics)]
-            .into_iter()
-            .filter_map(|(name, token)| token.as_deref().map(|t| (name, t.trim())))
+        [
+            (API, &self.api),
+            (READ, &self.read),
+            (METRICS, &self.metrics),
+        ]
+        .into_iter()
+        .filter_map(|(name, token)| token.as_deref().map(|t| (name, t.trim())))
     }
 
     /// Checks every configured token (see the module docs).
@@ -370,7 +374,8 @@ mod tests {
     }
 
     fn basic(user: &str, password: &str) -> String {
-        let encoded = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        let encoded =
+            base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
         format!("Basic {encoded}")
     }
 
@@ -395,8 +400,10 @@ mod tests {
     #[test]
     fn each_token_opens_what_it_is_for() {
         let access = all();
-        let get = |path: &str, auth: Option<&str>| access.decide(&Method::GET, path, &headers(auth));
-        let post = |path: &str, auth: Option<&str>| access.decide(&Method::POST, path, &headers(auth));
+        let get =
+            |path: &str, auth: Option<&str>| access.decide(&Method::GET, path, &headers(auth));
+        let post =
+            |path: &str, auth: Option<&str>| access.decide(&Method::POST, path, &headers(auth));
         let (api, read, metrics) = (
             format!("Bearer {API_T}"),
             format!("Bearer {READ_T}"),
@@ -471,8 +478,18 @@ mod tests {
     fn a_refusal_names_its_challenges_or_is_forbidden() {
         let unauthorized = refused(Refusal::Wrong);
         assert_eq!(unauthorized.status(), 401);
-        let challenges: Vec<_> = unauthorized.headers().get_all(WWW_AUTHENTICATE).iter().collect();
-        assert_eq!(challenges, CHALLENGES.map(HeaderValue::from_static).iter().collect::<Vec<_>>());
+        let challenges: Vec<_> = unauthorized
+            .headers()
+            .get_all(WWW_AUTHENTICATE)
+            .iter()
+            .collect();
+        assert_eq!(
+            challenges,
+            CHALLENGES
+                .map(HeaderValue::from_static)
+                .iter()
+                .collect::<Vec<_>>()
+        );
         let forbidden = refused(Refusal::Forbidden);
         assert_eq!(forbidden.status(), 403);
         assert!(forbidden.headers().get(WWW_AUTHENTICATE).is_none());
@@ -501,7 +518,11 @@ mod tests {
             "a\u{7f}b-0123456789abcdef",
             "🔑-0123456789abcdef",
         ] {
-            assert_eq!(api(unusable), Err(BadToken::NotVisibleAscii(API)), "{unusable:?}");
+            assert_eq!(
+                api(unusable),
+                Err(BadToken::NotVisibleAscii(API)),
+                "{unusable:?}"
+            );
         }
         let same = Tokens {
             api: Some(API_T.into()),
@@ -520,12 +541,18 @@ mod tests {
             read: Some("r".into()),
             metrics: None,
         };
-        assert!(matches!(short_read.check(), Err(BadToken::TooShort { name: READ, .. })));
+        assert!(matches!(
+            short_read.check(),
+            Err(BadToken::TooShort { name: READ, .. })
+        ));
     }
 
     #[test]
     fn every_refusal_has_its_counter_label() {
-        assert_eq!(Refusal::ALL.map(Refusal::label), crate::metrics::AUTH_REASONS);
+        assert_eq!(
+            Refusal::ALL.map(Refusal::label),
+            crate::metrics::AUTH_REASONS
+        );
     }
 
     /// The messages name the variable, never the token.

@@ -374,7 +374,10 @@ mod tests {
         assert_eq!(post["security"], either);
         assert!(post["responses"]["401"]["headers"]["WWW-Authenticate"].is_object());
         assert!(post["responses"]["403"].is_object());
-        assert!(post["description"].as_str().unwrap().ends_with("Needs the API token."));
+        assert!(post["description"]
+            .as_str()
+            .unwrap()
+            .ends_with("Needs the API token."));
         let schemes = &guarded["components"]["securitySchemes"];
         assert_eq!(schemes["bearer"]["scheme"], "bearer");
         assert_eq!(schemes["basic"]["scheme"], "basic");
