@@ -2,7 +2,9 @@
 //! consistency, the embedded assets, and a real headless browser (Debian's
 //! `chromium`, driven by `tests/browser/dashboard.mjs` with
 //! `playwright-core`) watching a raw SQL status change arrive over
-//! `/events` without a reload. The browser test fails, saying what to
+//! `/events` without a reload, and, with tokens configured, refused
+//! without credentials and live with the read token given as HTTP Basic
+//! at the browser's challenge. The browser tests fail, saying what to
 //! install, when chromium, node or playwright-core is missing; `.ci/run`
 //! installs them.
 
@@ -259,7 +261,24 @@ struct Browser {
 
 impl Browser {
     async fn open(url: &str, chromium: &Path) -> (Browser, Value) {
-        let mut child = tokio::process::Command::new("node")
+        Browser::open_as(url, chromium, None).await
+    }
+
+    /// Opens `url` answering the server's HTTP authentication challenge
+    /// with `credentials` (user name, password), as a person would at the
+    /// browser's prompt.
+    async fn open_as(
+        url: &str,
+        chromium: &Path,
+        credentials: Option<(&str, &str)>,
+    ) -> (Browser, Value) {
+        let mut command = tokio::process::Command::new("node");
+        if let Some((user, password)) = credentials {
+            command
+                .env("NEWSNACK_BROWSER_USER", user)
+                .env("NEWSNACK_BROWSER_PASSWORD", password);
+        }
+        let mut child = command
             .arg(browser_dir().join("dashboard.mjs"))
             .arg(url)
             .current_dir(browser_dir())
@@ -505,4 +524,63 @@ async fn an_open_page_starts_over_when_the_service_returns_on_a_new_database() {
         .await;
     browser.close().await;
     new.stop().await.unwrap();
+}
+
+/// With tokens configured, the browser is refused (401) without
+/// credentials or with a wrong password, and with the read token as the
+/// Basic password — what a person types at the browser's prompt — the
+/// dashboard loads, its event stream goes live, and a raw SQL change
+/// arrives over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_opens_the_dashboard_with_the_read_token_as_basic_password() {
+    const READ: &str = "dashboard-read-token-3f9a1c";
+    let chromium = require_browser_tools();
+    let db = TestDb::new().await;
+    let ids = db.add_issues(3).await;
+    let setup = common::Setup {
+        tokens: newsnack::http::auth::Tokens {
+            api: Some("dashboard-api-token-8e2b7d".into()),
+            read: Some(READ.into()),
+            metrics: None,
+        },
+        ..common::Setup::default()
+    };
+    let service = db.serve_with("dash-token", offline(), setup).await;
+    let url = format!("http://{}/", service.addr);
+
+    let (browser, loaded) = Browser::open_as(&url, &chromium, None).await;
+    assert_eq!(loaded["loaded"], json!(false), "{loaded:#}");
+    assert_eq!(loaded["status"], json!(401), "{loaded:#}");
+    browser.close().await;
+    let wrong = Some(("editor", "not-the-read-token-000"));
+    let (browser, loaded) = Browser::open_as(&url, &chromium, wrong).await;
+    assert_eq!(loaded["loaded"], json!(false), "{loaded:#}");
+    assert_eq!(loaded["status"], json!(401), "{loaded:#}");
+    browser.close().await;
+
+    let (mut browser, loaded) = Browser::open_as(&url, &chromium, Some(("editor", READ))).await;
+    assert_eq!(loaded["loaded"], json!(true), "{loaded:#}");
+    browser
+        .step(
+            "the counts and a live stream",
+            json!({ "counts": {"PENDING": 3, "total": 3}, "live": true }),
+        )
+        .await;
+    db.move_with_sql(&ids[..1], &["IN_PROGRESS"]).await;
+    let shown = browser
+        .step(
+            "the raw SQL change over the stream",
+            json!({
+                "row": { "issue": ids[0], "to": "IN_PROGRESS" },
+                "counts": {"PENDING": 2, "IN_PROGRESS": 1, "total": 3},
+            }),
+        )
+        .await;
+    assert_eq!(shown["sameDocument"], json!(true), "the page was reloaded");
+    assert!(
+        shown["stats"]["events"].as_u64() >= Some(1),
+        "no event arrived over /events: {shown:#}"
+    );
+    browser.close().await;
+    service.stop().await.unwrap();
 }

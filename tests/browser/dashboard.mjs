@@ -4,6 +4,10 @@
 // condition with a timeout; nothing sleeps.
 //
 //   node dashboard.mjs URL
+//   NEWSNACK_BROWSER_PASSWORD (and NEWSNACK_BROWSER_USER): answer the
+//   server's HTTP authentication challenge with them, as a person would
+//   at the browser's prompt. A page that does not load is answered
+//   {"ok": true, "loaded": false, "status": 401} and ends the run.
 //   step:   {"counts": {"PENDING": 3, ...}, "row": {"issue": 7, "to": "IN_PROGRESS"},
 //            "claim": 7, "screenshot": "/path/x.png"}   (every key optional)
 //   answer: {"ok": true, "counts": {...}, "stats": {...}} or {"ok": false, "error": ".."}
@@ -24,7 +28,11 @@ const browser = await chromium.launch({
     "--disable-dev-shm-usage",
   ],
 });
-const page = await browser.newPage({ viewport: { width: 1440, height: 1000 } });
+const password = process.env.NEWSNACK_BROWSER_PASSWORD;
+const httpCredentials =
+  password === undefined ? undefined : { username: process.env.NEWSNACK_BROWSER_USER || "", password };
+const context = await browser.newContext({ viewport: { width: 1440, height: 1000 }, httpCredentials });
+const page = await context.newPage();
 page.setDefaultTimeout(TIMEOUT_MS);
 const errors = [];
 page.on("pageerror", (e) => errors.push(String(e)));
@@ -64,7 +72,22 @@ async function step(s) {
 }
 
 try {
-  await page.goto(url);
+  // The status of the page itself, also when Chromium gives up on a
+  // challenge it has no answer for (a person dismissing the prompt).
+  let documentStatus = null;
+  page.on("response", (r) => r.request().isNavigationRequest() && (documentStatus = r.status()));
+  const response = await page.goto(url).catch((e) => {
+    if (String(e).includes("ERR_INVALID_AUTH_CREDENTIALS") && documentStatus !== null) return null;
+    throw e;
+  });
+  const status = response === null ? documentStatus : response.status();
+  if (status < 200 || status > 299) {
+    // The browser's own note of the refusal is expected; nothing else.
+    const others = errors.filter((e) => !e.includes(`status of ${status}`));
+    say({ ok: true, loaded: false, status, errors: others });
+    await browser.close();
+    process.exit(0);
+  }
   await page.waitForFunction(() => document.body.dataset.ready === "1");
   // Marks this document: a reload would lose it.
   await page.evaluate(() => (window.__sameDocument = true));
