@@ -13,7 +13,9 @@
 //! TCP on one thread of this process, so none of their memory is counted.
 //!
 //! `cargo bench --bench wait_memory` (`BENCH_BIN` replaces this build's
-//! binary; `BENCH_SERVE_ENV=NAME=value,..` adds to serve's environment).
+//! binary; `BENCH_SERVE_ENV=NAME=value,..` adds to serve's environment;
+//! `BENCH_TOKEN=<token>` starts serve with it as `NEWSNACK_API_TOKEN` and
+//! sends it with every request, so the token check is on every wait).
 
 mod common;
 
@@ -80,6 +82,9 @@ async fn main() {
         .env("RUST_LOG", "warn")
         .env_remove("NEWSNACK_LLM_URL")
         .stdout(Stdio::null());
+    if let Some(token) = token() {
+        serve.env("NEWSNACK_API_TOKEN", token);
+    }
     if let Ok(extra) = std::env::var("BENCH_SERVE_ENV") {
         for pair in extra.split(',').filter(|p| !p.is_empty()) {
             let (name, value) = pair.split_once('=').expect("NAME=value");
@@ -165,6 +170,7 @@ async fn main() {
     let report = json!({
         "benchmark": "open POST /waits: the service's memory and the answers' latency",
         "waits": targets.len(),
+        "token": token().is_some(),
         "rss_kb": {
             "idle": idle.rss_kb,
             "after_warmup": warmed.rss_kb,
@@ -197,6 +203,22 @@ async fn main() {
         .unwrap();
 }
 
+/// `BENCH_TOKEN`, when set (see the module docs).
+fn token() -> Option<&'static str> {
+    static TOKEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    TOKEN
+        .get_or_init(|| std::env::var("BENCH_TOKEN").ok())
+        .as_deref()
+}
+
+/// The `Authorization` header line every request carries (none without
+/// `BENCH_TOKEN`).
+fn authorization() -> String {
+    token()
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default()
+}
+
 /// One open `POST /waits` for `id`, its request sent.
 struct OpenWait {
     stream: TcpStream,
@@ -206,8 +228,9 @@ async fn open_wait(addr: &str, id: i64) -> OpenWait {
     let body = format!(r#"{{"issue_ids":[{id}],"timeout_s":600}}"#);
     let mut stream = TcpStream::connect(addr).await.expect("connect to serve");
     let request = format!(
-        "POST /waits HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n\
+        "POST /waits HTTP/1.1\r\nHost: bench\r\n{}Content-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n{body}",
+        authorization(),
         body.len()
     );
     stream.write_all(request.as_bytes()).await.unwrap();
@@ -248,7 +271,10 @@ fn complete(buf: &[u8]) -> Option<u16> {
 /// One `GET` on its own connection: the status code and body.
 async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect(addr).await.ok()?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n");
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: bench\r\n{}Connection: close\r\n\r\n",
+        authorization()
+    );
     stream.write_all(request.as_bytes()).await.ok()?;
     let mut buf = Vec::new();
     stream.read_to_end(&mut buf).await.ok()?;

@@ -11,8 +11,10 @@
 //! environment cached between runs that the test makes when it is missing
 //! (`common::python`); without `python3` or without a way to PyPI it
 //! fails, saying what to install. The service
-//! runs in-process with an API token and data in it: a published pipeline
-//! run with its briefing, done, failed and pending issues.
+//! runs in-process with an API token, a read token and data in it: a
+//! published pipeline run with its briefing, done, failed and pending
+//! issues. Schemathesis runs twice, with the API token and with the read
+//! token (every write then answers 403, which the document declares).
 //!
 //! A request over the 1 MiB body limit is refused with 413 before its
 //! content is looked at (an array far beyond `maxItems` is one):
@@ -32,7 +34,6 @@ mod common;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use common::http::get_json;
 use common::{offline, process, until_status, Setup, TestDb};
 use serde_json::json;
 
@@ -45,7 +46,8 @@ const SEED: &str = "21";
 /// edges, few enough for two cores (`NEWSNACK_SCHEMATHESIS_EXAMPLES` asks
 /// for more).
 const MAX_EXAMPLES: &str = "40";
-const TOKEN: &str = "schemathesis-token";
+const API_TOKEN: &str = "schemathesis-api-token";
+const READ_TOKEN: &str = "schemathesis-read-token";
 
 /// Schemathesis' configuration: its default statuses for a refused
 /// request, and 413.
@@ -103,7 +105,18 @@ fn schemathesis() -> PathBuf {
 /// issue failed with its error, issues pending.
 async fn service_with_data(db: &TestDb) -> newsnack::serve::RunningService {
     let service = db
-        .serve_with("schemathesis", offline(), Setup::with_token(TOKEN))
+        .serve_with(
+            "schemathesis",
+            offline(),
+            Setup {
+                tokens: newsnack::http::auth::Tokens {
+                    api: Some(API_TOKEN.into()),
+                    read: Some(READ_TOKEN.into()),
+                    metrics: None,
+                },
+                ..Setup::default()
+            },
+        )
         .await;
     // Waits that name no timeout last the setting's, not ten minutes.
     db.set("content_gen_timeout_s", "2").await;
@@ -145,53 +158,78 @@ async fn the_openapi_document_holds_against_schemathesis() {
     std::fs::write(&config, CONFIG).unwrap();
     let url = format!("http://{}/openapi.json", service.addr);
 
-    // A document Schemathesis can read, with the bearer scheme on writes.
-    let doc: serde_json::Value = get_json(&reqwest::Client::new(), &url).await;
-    assert_eq!(
-        doc["paths"]["/ai-articles"]["post"]["security"],
-        json!([{ "bearer": [] }])
-    );
-
-    let mut command = Command::new(&exe);
-    command
-        .arg("--config-file")
-        .arg(&config)
-        .args(["run", &url])
-        .args(["--checks", "all"])
-        .args(["--phases", "examples,coverage,fuzzing,stateful"])
-        .args(["--seed", &knob("NEWSNACK_SCHEMATHESIS_SEED", SEED)])
-        .args([
-            "--max-examples",
-            &knob("NEWSNACK_SCHEMATHESIS_EXAMPLES", MAX_EXAMPLES),
-        ])
-        .args(["--workers", "1"])
-        .args(["--request-timeout", "30"])
-        .args(["--generation-database", "none"])
-        .args(["--header", &format!("Authorization: Bearer {TOKEN}")])
-        .arg("--no-color")
-        .current_dir(work.path())
-        .env("PYTHONPATH", work.path())
-        .env("SCHEMATHESIS_HOOKS", "newsnack_hooks")
-        .stdin(Stdio::null());
-    let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+    // A document Schemathesis can read, with the schemes on every
+    // operation but the probes.
+    let doc: serde_json::Value = reqwest::Client::new()
+        .get(&url)
+        .bearer_auth(READ_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
         .await
         .unwrap();
-    // Reproductions of huge requests print megabytes on one line.
-    let report: String = [out.stdout, out.stderr]
-        .iter()
-        .flat_map(|text| {
-            String::from_utf8_lossy(text)
-                .lines()
-                .map(shortened)
-                .collect::<Vec<_>>()
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    eprintln!("{report}");
-    assert!(
-        out.status.success(),
-        "Schemathesis found problems:\n{report}"
-    );
+    let either = json!([{ "bearer": [] }, { "basic": [] }]);
+    assert_eq!(doc["paths"]["/ai-articles"]["post"]["security"], either);
+    assert_eq!(doc["paths"]["/issues/{id}"]["get"]["security"], either);
+    let writes = doc["paths"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|item| item.as_object().unwrap().keys())
+        .filter(|method| *method != "get")
+        .count();
+
+    for token in [API_TOKEN, READ_TOKEN] {
+        let mut command = Command::new(&exe);
+        command
+            .arg("--config-file")
+            .arg(&config)
+            .args(["run", &url])
+            .args(["--checks", "all"])
+            .args(["--phases", "examples,coverage,fuzzing,stateful"])
+            .args(["--seed", &knob("NEWSNACK_SCHEMATHESIS_SEED", SEED)])
+            .args([
+                "--max-examples",
+                &knob("NEWSNACK_SCHEMATHESIS_EXAMPLES", MAX_EXAMPLES),
+            ])
+            .args(["--workers", "1"])
+            .args(["--request-timeout", "30"])
+            .args(["--generation-database", "none"])
+            .args(["--header", &format!("Authorization: Bearer {token}")])
+            .arg("--no-color")
+            .current_dir(work.path())
+            .env("PYTHONPATH", work.path())
+            .env("SCHEMATHESIS_HOOKS", "newsnack_hooks")
+            .stdin(Stdio::null());
+        let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+            .await
+            .unwrap();
+        // Reproductions of huge requests print megabytes on one line.
+        let report: String = [out.stdout, out.stderr]
+            .iter()
+            .flat_map(|text| {
+                String::from_utf8_lossy(text)
+                    .lines()
+                    .map(shortened)
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        eprintln!("{report}");
+        assert!(
+            out.status.success(),
+            "Schemathesis found problems with the token {token}:\n{report}"
+        );
+        // The read token was what it sent: every write, and only the
+        // writes, answered 403 (Schemathesis warns of it).
+        let refused = format!("403 Forbidden ({writes} operations)");
+        assert_eq!(
+            report.contains(&refused),
+            token == READ_TOKEN,
+            "with {token}, expected {refused:?} only for the read token:\n{report}"
+        );
+    }
     service.stop().await.unwrap();
 }
 

@@ -58,7 +58,7 @@ const CHALLENGES: [&str; 2] = [
 
 /// The tokens as configured (`NEWSNACK_API_TOKEN`, `NEWSNACK_READ_TOKEN`,
 /// `NEWSNACK_METRICS_TOKEN`); `None` is not configured.
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default)]
 pub struct Tokens {
     /// Opens everything.
     pub api: Option<String>,
@@ -207,13 +207,6 @@ impl Refusal {
             Refusal::Forbidden => "forbidden",
         }
     }
-
-    pub const ALL: [Refusal; 4] = [
-        Refusal::Missing,
-        Refusal::Malformed,
-        Refusal::Wrong,
-        Refusal::Forbidden,
-    ];
 }
 
 type Sha = [u8; 32];
@@ -549,10 +542,13 @@ mod tests {
 
     #[test]
     fn every_refusal_has_its_counter_label() {
-        assert_eq!(
-            Refusal::ALL.map(Refusal::label),
-            crate::metrics::AUTH_REASONS
-        );
+        let all = [
+            Refusal::Missing,
+            Refusal::Malformed,
+            Refusal::Wrong,
+            Refusal::Forbidden,
+        ];
+        assert_eq!(all.map(Refusal::label), crate::metrics::AUTH_REASONS);
     }
 
     /// The messages name the variable, never the token.
