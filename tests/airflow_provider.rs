@@ -57,7 +57,7 @@ async fn pytest_against_a_real_service(name: &'static str, requirements: &'stati
     let db = TestDb::new().await;
     let setup = Setup {
         pool_size: Some(8),
-        api_token: Some(TOKEN.to_string()),
+        tokens: newsnack::http::auth::Tokens::api(TOKEN),
         ..Setup::default()
     };
     let service = db
