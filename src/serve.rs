@@ -82,6 +82,8 @@ pub struct RunningService {
     pub database_url: String,
     pub hub: EventHub,
     shutdown: CancellationToken,
+    /// Cancelled to drain: `/readyz` answers 503 from then on.
+    draining: CancellationToken,
     core: Core,
     http: tokio::task::JoinHandle<()>,
     /// How long open connections may take to finish after shutdown begins.
@@ -93,6 +95,12 @@ impl RunningService {
     /// The token that stops everything.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
+    }
+
+    /// The token that turns `/readyz` to 503 (the service goes on
+    /// answering everything else until it is stopped).
+    pub fn draining_token(&self) -> CancellationToken {
+        self.draining.clone()
     }
 
     /// Waits until shutdown is requested and everything has stopped.
@@ -346,6 +354,7 @@ pub async fn start(
         }
         .run(shutdown.clone()),
     );
+    let draining = CancellationToken::new();
     let app = http::router(Services {
         pool: core.pool.clone(),
         hub: core.hub.clone(),
@@ -354,6 +363,7 @@ pub async fn start(
         generator: core.generator.clone(),
         settings: core.settings.clone(),
         shutdown: shutdown.clone(),
+        draining: draining.clone(),
         tokens: options.tokens.clone(),
         max_backlog: options.max_backlog,
     });
@@ -378,6 +388,7 @@ pub async fn start(
         database_url,
         hub: core.hub.clone(),
         shutdown,
+        draining,
         core,
         http,
         http_drain: options.grace,

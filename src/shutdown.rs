@@ -1,5 +1,8 @@
 //! The one shutdown signal: Ctrl-C or SIGTERM cancels a token that every
-//! long-running task selects on.
+//! long-running task selects on. And the drain signal of `serve`: SIGUSR1
+//! turns `/readyz` to 503 while the service goes on answering, so load
+//! balancers stop sending before SIGTERM (Kubernetes' preStop hook sends
+//! it; docs/production.md, "Deploying on Kubernetes").
 
 use tokio_util::sync::CancellationToken;
 
@@ -27,5 +30,27 @@ pub fn cancel_on_signal(token: CancellationToken) {
         }
         tracing::info!("shutdown requested");
         token.cancel();
+    });
+}
+
+/// Cancels `draining` on the first SIGUSR1.
+pub fn drain_on_signal(draining: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut drain = match signal(SignalKind::user_defined1()) {
+        Ok(drain) => drain,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGUSR1; draining by signal is off");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = drain.recv() => {}
+            _ = draining.cancelled() => return,
+        }
+        tracing::info!(
+            "drain requested: /readyz answers 503 from now on; still serving until SIGTERM"
+        );
+        draining.cancel();
     });
 }

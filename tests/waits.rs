@@ -568,6 +568,7 @@ async fn post_waits_ended_by_shutdown_answers_503_saying_so() {
         generator: handle,
         settings,
         shutdown,
+        draining: CancellationToken::new(),
         tokens: Default::default(),
         max_backlog: 10,
     });

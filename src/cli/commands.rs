@@ -97,6 +97,7 @@ pub(super) async fn serve(
     let signalled = CancellationToken::new();
     crate::shutdown::cancel_on_signal(signalled.clone());
     let service = crate::serve::start(options, writer).await?;
+    crate::shutdown::drain_on_signal(service.draining_token());
     // Status lines, like the logs, are lost rather than fatal when stdout
     // fails (a closed pipe, a full disk).
     if embedded {

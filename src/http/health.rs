@@ -1,5 +1,6 @@
 //! `GET /healthz` (the process answers) and `GET /readyz` (the database is
-//! reachable and the listener is connected).
+//! reachable and the listener is connected, and the instance is not
+//! draining).
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -55,9 +56,9 @@ pub async fn healthz() -> Json<Health> {
     })
 }
 
-/// Readiness: the database answers and takes writes, the listener is
-/// connected and receives notifications, and the log has not gone back
-/// behind what this instance published. Also says how the database
+/// Readiness: the instance is not draining, the database answers and
+/// takes writes, the listener is connected and receives notifications,
+/// and the log has not gone back behind what this instance published. Also says how the database
 /// sessions are protected.
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses((status = 200, body = Readiness, description = "Ready"),
@@ -79,13 +80,16 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Readines
             status.problem.clone(),
         )
     };
-    let ready = database && writable && listener && log_ends_before.is_none();
+    let draining = state.draining.is_cancelled();
+    let ready = database && writable && listener && log_ends_before.is_none() && !draining;
     let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let error = if let Some(end) = log_ends_before {
+    let error = if draining {
+        Some("draining: this instance is stopping".to_string())
+    } else if let Some(end) = log_ends_before {
         Some(format!(
             "the transition log now ends at seq {end}, before what this instance published (a restored or truncated log): restart it"
         ))

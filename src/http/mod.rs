@@ -74,6 +74,9 @@ pub struct Services {
     pub settings: Arc<SettingsCache>,
     /// Cancelled on shutdown: long requests (waits) end with 503.
     pub shutdown: tokio_util::sync::CancellationToken,
+    /// Cancelled when the instance is asked to drain: `/readyz` answers
+    /// 503, everything else goes on.
+    pub draining: tokio_util::sync::CancellationToken,
     /// The tokens requests must present ([`auth`]).
     pub tokens: auth::Tokens,
     /// `POST /ai-articles` answers 503 while the generator holds this many

@@ -10,22 +10,33 @@
 //!
 //! Once `stop` is cancelled, nothing new is accepted; each open connection
 //! finishes the request in hand and closes (hyper's graceful shutdown), and
-//! [`serve`] returns when all have.
+//! [`serve`] returns when all have. Before that, open connections linger
+//! for [`LINGER`]: hyper closes a connection that looks idle at once, and a
+//! request its client had just written would be lost unread; in the
+//! meantime every answer says `Connection: close`.
 
 use std::io;
 use std::time::Duration;
 
+use axum::http::{header, HeaderValue};
+use axum::response::Response;
 use axum::Router;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
+use hyper::Request;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
 
 /// How long accepting rests after an error that is not one connection's
 /// (out of file descriptors, say), so the loop does not spin on it.
 const ACCEPT_ERROR_REST: Duration = Duration::from_secs(1);
+
+/// How long open connections may still bring a request after `stop`.
+pub const LINGER: Duration = Duration::from_millis(500);
 
 /// Serves `app` on `listener` until `stop`, then drains (see the module
 /// docs).
@@ -51,8 +62,22 @@ pub async fn serve(listener: TcpListener, app: Router, stop: CancellationToken) 
         // A small write (an SSE event) goes out at once instead of waiting
         // for the client's delayed ACK (up to 40 ms).
         let _ = tcp.set_nodelay(true);
+        // Once stopping, every answer closes its connection. Mapped in
+        // place, not by a middleware: nothing boxed per request.
+        let closing = stop.clone();
+        let service = ServiceExt::<Request<Incoming>>::map_response(
+            app.clone(),
+            move |mut response: Response| {
+                if closing.is_cancelled() {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                response
+            },
+        );
         let connection = http1::Builder::new()
-            .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
+            .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(service));
         let connection = connections.watch(connection);
         tokio::spawn(async move {
             if let Err(e) = connection.await {
@@ -61,6 +86,7 @@ pub async fn serve(listener: TcpListener, app: Router, stop: CancellationToken) 
         });
     }
     drop(listener);
+    tokio::time::sleep(LINGER).await;
     connections.shutdown().await;
 }
 
