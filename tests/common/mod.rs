@@ -9,6 +9,7 @@ pub mod audit;
 pub mod fake_llm;
 pub mod gate;
 pub mod http;
+pub mod kubernetes;
 pub mod pgbouncer;
 pub mod process;
 pub mod python;

@@ -193,6 +193,11 @@ impl ServeProcess {
         self.child.wait().expect("reap serve");
     }
 
+    /// Waits for it to exit (after a signal the test sent). Blocking.
+    pub fn wait(&mut self) -> ExitStatus {
+        self.child.wait().expect("wait for serve to exit")
+    }
+
     /// SIGTERM, then wait for it to exit. Blocking.
     pub fn terminate(&mut self) -> ExitStatus {
         self.stop_with(libc::SIGTERM)
