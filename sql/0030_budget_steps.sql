@@ -2,7 +2,16 @@
 -- (docs/sql.md, "The LLM budget"): one typed request and one typed answer
 -- (JSON, fields by name), the body small functions run in order, each
 -- setting's default read from `setting_spec` only, and each granted call
--- told what a failure of it means. What the budget decides is unchanged.
+-- told what a failure of it means. What the budget decided stays as it
+-- was, and one step is new: the operator's pause (setting
+-- `generation_paused`).
+
+INSERT INTO @extschema@.setting_spec (key, default_value, min_value, max_value, description, kind, choices) VALUES
+    ('generation_paused', 'false', 0, 0,
+     'LLM: true stops every instance from starting an LLM call (calls in flight finish, claims queue) until it is false again (newsnack pause, newsnack resume)',
+     'choice', '{false,true}');
+INSERT INTO @extschema@.setting (key, value) VALUES ('generation_paused', 'false')
+ON CONFLICT (key) DO NOTHING;
 
 DROP FUNCTION @extschema@.newsnack_llm_exchange(
     text, text, float8, boolean, bigint[], bigint[], text[], boolean[], bigint[], bigint,
@@ -238,7 +247,17 @@ BEGIN
 END
 $$;
 
--- Step 8, the grant: each holder's best waiting calls, as many as it may
+-- Step 8, the operator's pause (`generation_paused`, set by `newsnack
+-- pause` and `newsnack resume`): while it is on, no call starts on any
+-- instance; calls in flight finish, and new calls queue.
+CREATE FUNCTION @extschema@.newsnack_llm_operator_paused() RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT COALESCE(s.value, sp.default_value) = 'true'
+      FROM @extschema@.setting_spec sp LEFT JOIN @extschema@.setting s ON s.key = sp.key
+     WHERE sp.key = 'generation_paused'
+$$;
+
+-- Step 9, the grant: each holder's best waiting calls, as many as it may
 -- still start (`p_per_holder`); of those, the best across holders (briefing
 -- first, then the oldest claim), each to the primary while it has room,
 -- else to the fallback while it has room if the holder has one and the
@@ -306,7 +325,7 @@ BEGIN
 END
 $$;
 
--- Step 9, the holder's calls granted and not finished, each with where it
+-- Step 10, the holder's calls granted and not finished, each with where it
 -- goes, its class and what a failure of it means (`on_failure`):
 -- `fallback` (on the primary, with a fallback to go to, of a class
 -- `p_fallback_for` lets go there: ask the fallback at once, in the same
@@ -327,7 +346,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
      WHERE c.holder = p_holder AND c.finished_at IS NULL
 $$;
 
--- Step 10, when the holder should ask again, if some of its calls wait for
+-- Step 11, when the holder should ask again, if some of its calls wait for
 -- something time brings (`p_rooms_grow_at`: a pause ending, a circuit half
 -- opening, the minute's window moving on; another holder's lease running
 -- out; the next day, for calls the day's budget holds), and what.
@@ -355,18 +374,35 @@ BEGIN
 END
 $$;
 
--- The exchange: the steps in order, after the one lock every dispatcher
--- waits for. `request`: `{"holder", "instance", "lease_s", "has_fallback",
--- "queue", "finished", "tokens", "reports", "pause": {"s", "reason"} | null,
--- "leaving"}`. Answers `{"queued", "granted", "holding", "pause":
--- {"remaining_s", "reason", "by"} | null, "ask_again_in_s", "tokens_today",
--- "held"}` (see the steps).
+-- The exchange: the one lock every dispatcher waits for, then the steps
+-- in order at the database's clock. `request`: `{"holder", "instance",
+-- "lease_s", "has_fallback", "queue", "finished", "tokens", "reports",
+-- "pause": {"s", "reason"} | null, "leaving"}`. Answers `{"queued",
+-- "granted", "holding", "pause": {"remaining_s", "reason", "by"} | null,
+-- "ask_again_in_s", "tokens_today", "held"}` (see the steps).
 CREATE FUNCTION @extschema@.newsnack_llm_exchange(request jsonb) RETURNS TABLE (answer jsonb)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    -- The budget's state is worth no WAL flush: every dispatcher waits for
+    -- this lock, and a crash loses what the leases give back anyway (a
+    -- call granted twice is finished by its holder at once, a call lost
+    -- is queued again by its holder). Until the transaction ends only.
+    PERFORM set_config('synchronous_commit', 'off', true);
+    -- One dispatcher at a time. Every statement of the steps runs on a
+    -- snapshot taken after the lock, so it sees what the previous holder
+    -- committed.
+    PERFORM FROM @extschema@.llm_budget FOR UPDATE;
+    RETURN QUERY SELECT * FROM @extschema@.newsnack_llm_exchange_at(request, clock_timestamp());
+END
+$$;
+
+-- The exchange's steps in order, at `t` (the caller holds the lock).
+CREATE FUNCTION @extschema@.newsnack_llm_exchange_at(request jsonb, t timestamptz)
+RETURNS TABLE (answer jsonb)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     holder text := request->>'holder';
     leaving boolean := COALESCE((request->>'leaving')::boolean, false);
-    t timestamptz;
     s record;
     day record;
     pause record;
@@ -376,15 +412,6 @@ DECLARE
     mine record;
     ask_again_in_s float8;
 BEGIN
-    -- The budget's state is worth no WAL flush: every dispatcher waits for
-    -- this lock, and a crash loses what the leases give back anyway (a
-    -- call granted twice is finished by its holder at once, a call lost
-    -- is queued again by its holder). Until the transaction ends only.
-    PERFORM set_config('synchronous_commit', 'off', true);
-    -- One dispatcher at a time. Every statement below runs on a snapshot
-    -- taken after the lock, so it sees what the previous holder committed.
-    PERFORM FROM @extschema@.llm_budget FOR UPDATE;
-    t := clock_timestamp();
     SELECT * INTO s FROM @extschema@.newsnack_llm_settings();
 
     PERFORM @extschema@.newsnack_llm_renew(holder, request->>'instance', (request->>'lease_s')::float8,
@@ -406,8 +433,10 @@ BEGIN
         'primary', s.max_in_flight, s.per_minute, s.circuit_failures, pause.paused_until, t);
     SELECT * INTO fallback_room FROM @extschema@.newsnack_llm_room(
         'fallback', s.fallback_max, s.fallback_per_minute, s.circuit_failures, NULL, t);
-    PERFORM @extschema@.newsnack_llm_grant(holder, s.per_holder, s.fallback_for, day.held,
-                                           primary_room.room, primary_room.down, fallback_room.room, t);
+    IF NOT @extschema@.newsnack_llm_operator_paused() THEN
+        PERFORM @extschema@.newsnack_llm_grant(holder, s.per_holder, s.fallback_for, day.held,
+                                               primary_room.room, primary_room.down, fallback_room.room, t);
+    END IF;
     IF leaving THEN
         answer := '{}';
         RETURN NEXT;

@@ -27,6 +27,7 @@
 //! | `newsnack_llm_paused` | gauge | | 1 while a rate limit's pause holds every instance's LLM calls, as this process last saw it |
 //! | `newsnack_llm_paused_until_seconds` | gauge | | when the last pause this process saw ends (Unix time) |
 //! | `newsnack_llm_pauses_total` | counter | | pauses of every instance's LLM calls this process saw begin (a call, its own or another instance's, met a 429 or 503 with `Retry-After`) |
+//! | `newsnack_generation_paused` | gauge | | 1 while the operator's pause (`generation_paused`, `newsnack pause`) stops every instance from starting an LLM call; read at each scrape |
 //! | `newsnack_llm_tokens_today` | gauge | | tokens spent today (the day in `timezone`), every instance and provider together, as the shared budget counts them; read from the database at each scrape |
 //! | `newsnack_llm_daily_token_budget` | gauge | | `llm_daily_token_budget` (0: unlimited), read at each scrape |
 //! | `newsnack_llm_held` | gauge | `class` = `feed`/`briefing` | 1 while the day's token budget holds that class's calls until the next day, read at each scrape |
@@ -85,6 +86,7 @@ const LLM_HELD: &str = "newsnack_llm_held";
 const LLM_PAUSED: &str = "newsnack_llm_paused";
 const LLM_PAUSED_UNTIL: &str = "newsnack_llm_paused_until_seconds";
 const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
+const GENERATION_PAUSED: &str = "newsnack_generation_paused";
 const LOG_LINES_DROPPED: &str = "newsnack_log_lines_dropped_total";
 const ARTICLES_REJECTED: &str = "newsnack_articles_rejected_total";
 const GENERATIONS_CANCELLED: &str = "newsnack_generations_cancelled_total";
@@ -270,6 +272,11 @@ fn describe_and_register() {
         "1 while the day's token budget holds this class's LLM calls until the next day"
     );
     counter!(LLM_PAUSES).increment(0);
+    describe_gauge!(
+        GENERATION_PAUSED,
+        "1 while the operator's pause (generation_paused) stops every instance from starting an LLM call"
+    );
+    gauge!(GENERATION_PAUSED).set(0.0);
     gauge!(LLM_CALLS_WAITING).increment(0.0);
     gauge!(LLM_PAUSED).set(0.0);
     gauge!(LLM_PAUSED_UNTIL).increment(0.0);
@@ -548,6 +555,13 @@ pub fn llm_day(tokens: i64, budget: i64, holds_feed: bool, holds_briefing: bool)
     gauge!(LLM_DAILY_TOKEN_BUDGET).set(budget as f64);
     gauge!(LLM_HELD, "class" => "feed").set(f64::from(u8::from(holds_feed)));
     gauge!(LLM_HELD, "class" => "briefing").set(f64::from(u8::from(holds_briefing)));
+}
+
+/// Whether the operator's pause is on, as the settings said at this
+/// scrape.
+pub fn generation_paused(paused: bool) {
+    let _ = install();
+    gauge!(GENERATION_PAUSED).set(f64::from(u8::from(paused)));
 }
 
 /// The pause seen is over.

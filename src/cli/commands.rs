@@ -383,6 +383,24 @@ pub(super) async fn settings(
     Ok(ExitCode::SUCCESS)
 }
 
+/// `pause` (`paused`) and `resume`: the operator's pause, the setting
+/// `generation_paused`, which every instance's budget reads at its next
+/// exchange (announced at once on `setting_changed`).
+pub(super) async fn pause(database: &db::Database, paused: bool) -> Result<ExitCode, CliError> {
+    let pool = open(database).await?;
+    let client = pool.get().await.map_err(DbError::from)?;
+    let stored = db::setting::set(&client, "generation_paused", &paused.to_string()).await?;
+    println!(
+        "generation_paused = {stored}: {}",
+        if paused {
+            "no instance starts an LLM call until `newsnack resume`"
+        } else {
+            "LLM calls start again"
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 /// A setting's value on one line of a listing: line breaks shown as `⏎`,
 /// and a long text (a prompt) cut short; `settings get` shows it whole.
 pub(super) fn one_line(value: &str) -> String {

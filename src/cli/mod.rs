@@ -87,6 +87,13 @@ pub enum Command {
     /// Read and change runtime settings (take effect without a restart).
     #[command(subcommand)]
     Settings(SettingsCommand),
+    /// Stop every instance from starting an LLM call (sets
+    /// generation_paused to true): calls in flight finish, claims are
+    /// still accepted and queue, waits keep their deadlines.
+    Pause,
+    /// Let LLM calls start again (sets generation_paused to false): the
+    /// queued calls start at once.
+    Resume,
     /// Smart-wait for issues: prints the outcome as JSON. Exit code 0 for
     /// all_pass and timeout_pass, 3 for skip.
     Wait {
@@ -301,6 +308,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Retry { ids } => commands::retry(&database("newsnack-cli")?, &ids).await,
         Command::Cancel { ids } => commands::cancel(&database("newsnack-cli")?, &ids).await,
         Command::Settings(cmd) => commands::settings(&database("newsnack-cli")?, cmd).await,
+        Command::Pause => commands::pause(&database("newsnack-cli")?, true).await,
+        Command::Resume => commands::pause(&database("newsnack-cli")?, false).await,
         Command::Wait { ids, timeout, min } => {
             commands::wait(&database("newsnack-cli")?, ids, timeout, min).await
         }

@@ -305,11 +305,13 @@ impl From<Answer> for ExchangeAnswer {
     }
 }
 
-/// The last pause, as the dashboard shows it.
+/// The pause the dashboard shows: the operator's while it is on (with no
+/// end: `until` is `None`, `by` is `operator`), else the last rate
+/// limit's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PauseView {
-    #[serde(with = "time::serde::rfc3339")]
-    pub until: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub until: Option<OffsetDateTime>,
     /// Still in force.
     pub active: bool,
     pub reason: Option<String>,
@@ -500,7 +502,8 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
                     (SELECT COALESCE(sum(a.prompt_tokens), 0)::bigint
                        FROM ai_article a, latest WHERE a.issue_id = ANY(latest.issue_ids)),
                     (SELECT COALESCE(sum(a.completion_tokens), 0)::bigint
-                       FROM ai_article a, latest WHERE a.issue_id = ANY(latest.issue_ids))
+                       FROM ai_article a, latest WHERE a.issue_id = ANY(latest.issue_ids)),
+                    newsnack_llm_operator_paused()
                FROM llm_budget b",
             &[(&today_began, Type::TIMESTAMPTZ)],
         )
@@ -516,12 +519,12 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
         waiting_briefing: row.get(4),
         waiting_feed: row.get(5),
         holders: row.get(6),
-        pause: until.map(|until| PauseView {
-            until,
+        pause: operator_pause(row.get(15)).or(until.map(|until| PauseView {
+            until: Some(until),
             active: row.get::<_, Option<bool>>(8).unwrap_or(false),
             reason: row.get(9),
             by: row.get(10),
-        }),
+        })),
         tokens_today: Tokens {
             prompt: row.get(11),
             completion: row.get(12),
@@ -532,5 +535,15 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
         },
         day,
         providers,
+    })
+}
+
+/// The operator's pause as the dashboard shows it, while it is on.
+fn operator_pause(on: Option<bool>) -> Option<PauseView> {
+    on.unwrap_or(false).then(|| PauseView {
+        until: None,
+        active: true,
+        reason: Some("generation_paused: `newsnack resume` lets calls start".into()),
+        by: Some("operator".into()),
     })
 }

@@ -130,6 +130,9 @@ async fn prometheus_metrics(
     State(state): State<AppState>,
 ) -> Result<Response<axum::body::Body>, ApiError> {
     crate::metrics::listener_connected(state.hub.status().borrow().connected);
+    if let Ok(settings) = state.settings.get().await {
+        crate::metrics::generation_paused(settings.generation_paused);
+    }
     let day = async {
         let client = state.pool.get().await?;
         let counts = crate::db::issue::count_by_status(&client).await?;

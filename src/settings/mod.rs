@@ -86,6 +86,8 @@ pub struct Settings {
     /// A template with `{date}`, filled in when a briefing is assembled.
     pub briefing_title: String,
     pub llm_fallback_for: FallbackFor,
+    /// The operator's pause: no instance starts an LLM call while true.
+    pub generation_paused: bool,
     /// Prompt plus completion tokens per day in `timezone` (0: unlimited).
     pub llm_daily_token_budget: i64,
     /// The part of the daily budget only briefing calls may use.
@@ -123,6 +125,7 @@ impl Default for Settings {
             timezone: "UTC".into(),
             briefing_title: DEFAULT_BRIEFING_TITLE.into(),
             llm_fallback_for: FallbackFor::Briefing,
+            generation_paused: false,
             llm_daily_token_budget: 0,
             llm_briefing_reserve_tokens: 0,
             article_headline_max_chars: 120,
@@ -176,6 +179,9 @@ impl Settings {
             .and_then(|v| FallbackFor::parse(v))
         {
             s.llm_fallback_for = v;
+        }
+        if let Some(v) = values.get("generation_paused") {
+            s.generation_paused = v.trim().eq_ignore_ascii_case("true");
         }
         if let Some(v) = values.get("article_script").and_then(|v| Script::parse(v)) {
             s.article_script = v;

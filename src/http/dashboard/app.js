@@ -316,7 +316,12 @@
     $("llm").dataset.paused = paused ? "1" : "0";
     const banner = $("llm-pause");
     banner.hidden = !paused;
-    if (paused) {
+    if (paused && !pause.until) {
+      // The operator's pause: no end until someone resumes.
+      state.pauseUntil = 0;
+      banner.textContent = "Paused by the operator: no LLM call starts until `newsnack resume`";
+      banner.title = pause.reason || "";
+    } else if (paused) {
       state.pauseUntil = Date.parse(pause.until);
       banner.dataset.reason = pause.reason || "";
       banner.title = pause.reason || "";
