@@ -12,6 +12,7 @@ pub mod http;
 pub mod kubernetes;
 pub mod pgbouncer;
 pub mod process;
+pub mod promtool;
 pub mod python;
 pub mod subscribers;
 pub mod tls;

@@ -21,7 +21,8 @@ pub fn python3() -> &'static str {
     }
 }
 
-fn cache_dir() -> PathBuf {
+/// Where the tests keep what they install (venvs, unpacked packages).
+pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("NEWSNACK_TEST_CACHE") {
         return PathBuf::from(dir);
     }
