@@ -38,12 +38,12 @@
 
 mod common;
 
-use common::{connect, knob, migrate_with, round1, round3, start_cluster};
+use common::{connect, knob, migrate_with, round1, round3, start_cluster, stop, wait_ready};
 
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
@@ -413,36 +413,6 @@ fn median(v: &[f64]) -> f64 {
         n if n % 2 == 1 => v[n / 2],
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
-}
-
-/// Polls `/readyz` until it answers 200 (or the process exits).
-async fn wait_ready(base: &str, serve: &mut Child) {
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(status) = serve.try_wait().unwrap() {
-            panic!("newsnack serve exited before it was ready: {status}");
-        }
-        if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
-            if r.status().is_success() {
-                return;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "newsnack serve not ready in 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// SIGTERM, then waits for the process to end.
-fn stop(child: &mut Child) {
-    // SAFETY: a plain kill(2) on our own child's pid.
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
-    }
-    child.wait().unwrap();
 }
 
 /// User and system CPU seconds of one process (`/proc/PID/stat`), with

@@ -19,7 +19,7 @@
 
 mod common;
 
-use common::{connect, create_database, knob, migrate_with, round1, round3, start_cluster};
+use common::{connect, create_database, knob, migrate_with, round1, round3, start_cluster, stop};
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -353,15 +353,6 @@ fn raise_open_files() {
             libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
     }
-}
-
-/// SIGTERM, then waits for the process to end.
-fn stop(child: &mut Child) {
-    // SAFETY: a plain kill(2) on our own child's pid.
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
-    }
-    child.wait().unwrap();
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

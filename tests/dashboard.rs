@@ -1,5 +1,6 @@
 //! The dashboard: the shape of `GET /dashboard.json` and its one-snapshot
-//! consistency, the embedded assets, and a real headless browser (Debian's
+//! consistency, reads planned without JIT on a fresh database, the
+//! embedded assets, and a real headless browser (Debian's
 //! `chromium`, driven by `tests/browser/dashboard.mjs` with
 //! `playwright-core`) watching a raw SQL status change arrive over
 //! `/events` without a reload, and, with tokens configured, refused
@@ -193,6 +194,101 @@ async fn dashboard_json_has_the_documented_shape_as_of_one_log_position() {
     assert_eq!(snap["briefing"]["issue_ids"], json!([ids[1]]));
     assert_eq!(snap["briefing"]["body"], json!("# Today\n\nText."));
 
+    service.stop().await.unwrap();
+}
+
+/// The read behind each provider's state on the dashboard and `/metrics`
+/// (`db::llm_budget::providers`), as it was when a fresh install's
+/// planner, taking the never-analyzed `llm_provider` and `llm_budget` for
+/// hundreds of rows each, estimated it past the default `jit_above_cost`.
+const PROVIDERS_READ: &str = "SELECT p.provider,
+        CASE WHEN p.down_until > now() OR (p.provider = 'primary' AND b.paused_until > now())
+             THEN 'down' ELSE 'up' END,
+        (SELECT count(*) FROM llm_call c JOIN llm_holder h USING (holder)
+          WHERE h.lease_until >= now() AND c.granted_at IS NOT NULL AND c.finished_at IS NULL
+            AND COALESCE(c.provider, 'primary') = p.provider)
+   FROM llm_provider p, llm_budget b
+  ORDER BY p.provider = 'fallback'";
+
+/// The plan `client`'s session runs `sql` with, as `EXPLAIN (ANALYZE,
+/// FORMAT JSON)` gives it.
+async fn plan_of(client: &tokio_postgres::Client, sql: &str) -> Value {
+    let row = client
+        .query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"), &[])
+        .await
+        .unwrap();
+    let plans: Value = row.get(0);
+    plans[0].clone()
+}
+
+/// On a database nothing has analyzed, a read whose estimate crosses
+/// `jit_above_cost` is JIT-compiled by a session that may (a quarter of a
+/// second, each time), and not by the service's: migrating gave its role
+/// `jit = off` in this database, so every session opened for it, by the
+/// service or by a pooler on its behalf, plans without JIT. Nothing the
+/// service ran for the dashboard or `/metrics` was compiled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_database_is_read_without_jit_by_the_services_sessions() {
+    let db = TestDb::new().await;
+    let never_analyzed = db
+        .scalar_i64(
+            "SELECT count(*) FROM pg_stat_user_tables
+              WHERE relname IN ('llm_provider', 'llm_budget', 'llm_call', 'llm_holder')
+                AND last_analyze IS NULL AND last_autoanalyze IS NULL",
+        )
+        .await;
+    assert_eq!(never_analyzed, 4, "the budget's tables are fresh");
+
+    // Another system's session, JIT allowed: the read is compiled.
+    let other = db.raw().await;
+    other.batch_execute("SET jit = on").await.unwrap();
+    let plan = plan_of(&other, PROVIDERS_READ).await;
+    let cost = plan["Plan"]["Total Cost"].as_f64().unwrap();
+    assert!(cost > 100_000.0, "estimated past jit_above_cost: {plan}");
+    assert!(
+        plan.get("JIT").is_some(),
+        "compiled where JIT is on: {plan}"
+    );
+
+    db.count_statements().await;
+    let service = db.serve("fresh", offline()).await;
+    let base = format!("http://{}", service.addr);
+    for _ in 0..3 {
+        snapshot(&base).await;
+        let (status, _, body) = get(&format!("{base}/metrics")).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // A session opened as the service opens its own.
+    let session = db.endpoint.connect().await.unwrap();
+    let plan = plan_of(&session, PROVIDERS_READ).await;
+    assert!(plan.get("JIT").is_none(), "no JIT: {plan}");
+    assert!(
+        plan["Execution Time"].as_f64().unwrap() < 50.0,
+        "runs in milliseconds: {plan}"
+    );
+    // Every statement the service ran here, none compiled.
+    let in_this_database = "dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                            AND query NOT LIKE 'EXPLAIN%'";
+    let budget_reads = db
+        .scalar_i64(&format!(
+            "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_statements
+              WHERE {in_this_database} AND query LIKE '%FROM llm_provider p%'"
+        ))
+        .await;
+    assert!(
+        budget_reads >= 6,
+        "the providers read at every request: {budget_reads}"
+    );
+    let compiled = db
+        .scalar_i64(&format!(
+            "SELECT COALESCE(sum(jit_functions), 0)::bigint FROM pg_stat_statements
+              WHERE {in_this_database}"
+        ))
+        .await;
+    assert_eq!(
+        compiled, 0,
+        "functions JIT-compiled by the service's statements"
+    );
     service.stop().await.unwrap();
 }
 

@@ -3,9 +3,10 @@
 //! support): `DATABASE_URL` points at PgBouncer and
 //! `NEWSNACK_DIRECT_DATABASE_URL` at the server. Concurrent claims, a wait
 //! that answers on the event, the tail, `run-pipeline` (twice), a schedule
-//! change heard by a running service, and no advisory lock on a server
-//! connection of PgBouncer's. Without the direct URL, the service says it
-//! is not ready and why, and the tail refuses to follow in silence.
+//! change heard by a running service, no advisory lock on a server
+//! connection of PgBouncer's, and no JIT on any of its server sessions.
+//! Without the direct URL, the service says it is not ready and why, and
+//! the tail refuses to follow in silence.
 
 mod common;
 
@@ -50,6 +51,23 @@ async fn every_command_and_endpoint_works_through_pgbouncer_in_transaction_mode(
     let http = reqwest::Client::new();
     let ready = http.get(format!("{base}/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), 200, "{}", ready.text().await.unwrap());
+
+    // Every server session PgBouncer gives the service's role plans
+    // without JIT: the role's default from migrating, which the server
+    // applies itself (PgBouncer refuses a startup `options`).
+    let (through, connection) = tokio_postgres::connect(&pooled, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    for _ in 0..4 {
+        // One round trip (the simple protocol), as the pooler needs.
+        let answer = through.simple_query("SHOW jit").await.unwrap();
+        let jit = answer.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
+            _ => None,
+        });
+        assert_eq!(jit.as_deref(), Some("off"));
+    }
 
     // A tail through PgBouncer, with the direct URL for its listener.
     let start = db

@@ -1,6 +1,7 @@
 //! Helpers every benchmark shares: knobs from the environment, a throwaway
-//! cluster and its databases, a plain connection, a service's options, the
-//! claim workload, and rounding for the JSON reports.
+//! cluster and its databases, a plain connection, a service's options, a
+//! `newsnack serve` process waited for and stopped, the claim workload,
+//! and rounding for the JSON reports.
 #![allow(dead_code)]
 
 use std::process::{Command, Stdio};
@@ -76,6 +77,38 @@ pub fn serve_options(url: &str, instance: &str, pool_size: usize) -> ServeOption
         tokens: Default::default(),
         max_backlog: ServeOptions::DEFAULT_MAX_BACKLOG,
     }
+}
+
+/// Waits until the `serve` process `serve`, listening at `base`
+/// (`http://host:port`), answers `/readyz` with 200; panics if it exits
+/// first or is not ready within 30 s.
+pub async fn wait_ready(base: &str, serve: &mut std::process::Child) {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            panic!("newsnack serve exited before it was ready: {status}");
+        }
+        if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "newsnack serve not ready in 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// SIGTERM, then waits for the process to end.
+pub fn stop(child: &mut std::process::Child) {
+    // SAFETY: a plain kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    child.wait().unwrap();
 }
 
 /// Adds `n` issues titled `{prefix} N`, with a body each; their ids.

@@ -1,7 +1,8 @@
 //! The schema migrations in `sql/`, embedded in the binary and applied in
 //! order, once, under an advisory lock so that instances starting together
 //! do not race. Migrations that name their schema write `@extschema@`,
-//! which becomes the schema they run in.
+//! which becomes the schema they run in. Migrating also makes the
+//! migrating role's sessions plan without JIT ([`plan_without_jit`]).
 
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
@@ -264,11 +265,43 @@ pub async fn migrate_up_to(
         .await?;
         applied.push(migration.version);
     }
+    plan_without_jit(&tx).await?;
     tx.commit().await?;
     Ok(MigrationReport {
         applied,
         current: last.map_or(known, |last| last.min(known)),
     })
+}
+
+/// Makes every later session of this role in this database plan without
+/// JIT compilation, unless its sessions already do (`jit` off by the
+/// server, the database or the role): the service runs short statements,
+/// and a plan estimated over tables never analyzed (a fresh install's)
+/// can cross `jit_above_cost` and spend a quarter of a second compiling
+/// what then runs in a fraction of a millisecond, on every read.
+///
+/// A role default (`ALTER ROLE .. IN DATABASE .. SET jit = off`), which
+/// any role may set for itself: the server applies it to every session it
+/// opens for the role, whoever asks for it, so it holds behind a
+/// transaction pooler too. A startup option would not (PgBouncer refuses
+/// `options` unless told to ignore it), nor would a `SET` on a pooled
+/// connection (a transaction pooler hands each transaction whichever
+/// server session is free). The migrating session is set too: behind a
+/// transaction pooler, the server session it ran on goes on serving the
+/// service, and a role's default reaches only sessions opened after it.
+async fn plan_without_jit(tx: &tokio_postgres::Transaction<'_>) -> Result<(), DbError> {
+    tx.batch_execute(
+        "DO $$
+             BEGIN
+                 IF current_setting('jit')::boolean THEN
+                     EXECUTE format('ALTER ROLE CURRENT_USER IN DATABASE %I SET jit = off',
+                                    current_database());
+                 END IF;
+             END $$;
+             SET jit = off",
+    )
+    .await?;
+    Ok(())
 }
 
 #[cfg(test)]
