@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::http::claim_all;
+use common::http::{claim_all, completions_deferred, until_recording_meets_a_held_row};
 use common::{titled, until_sql, until_sql_polled, TestDb};
 use newsnack::writer::{self, SharedWriter};
 use serde_json::{json, Value};
@@ -317,16 +317,6 @@ async fn claim_all_with_token(http: &reqwest::Client, addr: std::net::SocketAddr
     assert_eq!(response.status(), 202);
 }
 
-/// The process's `newsnack_completions_deferred_total`.
-async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
-    common::http::metric(
-        &reqwest::Client::new(),
-        &format!("http://{addr}"),
-        "newsnack_completions_deferred_total",
-    )
-    .await
-}
-
 /// An answer that arrived before the cancel, its recording held up by a
 /// transaction that then cancels the issue: the claim's fence keeps it
 /// out, and the generation ends by itself.
@@ -355,24 +345,7 @@ async fn an_answer_that_came_first_is_kept_out_by_the_fence() {
     // The answer is in; its recording meets the held row (asked every
     // 20 ms: nothing announces it).
     let sql = db.raw().await;
-    common::within(30, "the article's recording to meet the held row", async {
-        loop {
-            let waiting: bool = sql
-                .query_one(
-                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                                     WHERE datname = current_database() AND wait_event_type = 'Lock')",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if waiting || completions_deferred(service.addr).await > deferred_before {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    until_recording_meets_a_held_row(&sql, service.addr, deferred_before).await;
     cancel
         .execute(
             "UPDATE issue SET processing_status = 'FAILED', last_error = 'cancelled',

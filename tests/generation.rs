@@ -11,41 +11,16 @@ use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::gate::DbGate;
-use common::http::metric;
+use common::http::{completions_deferred, post_ids, until_recording_meets_a_held_row};
 use common::process::ServeProcess;
 use common::{
-    until_done_count, until_sql, until_sql_polled, until_status, within, Apart, GeneratorApart,
-    Setup, TestDb,
+    offline, until_done_count, until_sql, until_sql_polled, until_status, within, Apart,
+    GeneratorApart, Setup, TestDb,
 };
-use newsnack::writer::{self, OfflineWriter, SharedWriter, WriterConfig};
+use newsnack::writer::{self, OfflineWriter};
 use tokio::sync::watch;
 
-fn llm_writer(fake: &FakeLlm, timeout: Duration) -> SharedWriter {
-    writer::build(&WriterConfig {
-        llm_url: Some(fake.url.clone()),
-        model: "fake-model".into(),
-        api_key: Some("test-key".into()),
-        timeout,
-        fallback: None,
-    })
-    .unwrap()
-}
-
 const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
-
-async fn post_ids(
-    client: &reqwest::Client,
-    addr: std::net::SocketAddr,
-    ids: &[i64],
-) -> (u16, serde_json::Value) {
-    let response = client
-        .post(format!("http://{addr}/ai-articles"))
-        .json(&serde_json::json!({ "issue_ids": ids }))
-        .send()
-        .await
-        .unwrap();
-    (response.status().as_u16(), response.json().await.unwrap())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_issues_with_transient_failures_all_end_done_once() {
@@ -61,9 +36,7 @@ async fn two_hundred_issues_with_transient_failures_all_end_done_once() {
         _ => Reply::Ok(ARTICLE.into()),
     })
     .await;
-    let service = db
-        .serve("gen", llm_writer(&fake, Duration::from_secs(1)))
-        .await;
+    let service = db.serve("gen", fake.writer(Duration::from_secs(1))).await;
     let ids = db.add_issues(200).await;
     let http = reqwest::Client::new();
     for chunk in ids.chunks(50) {
@@ -121,9 +94,7 @@ async fn a_fatal_failure_ends_failed_with_the_reason_and_is_not_retried() {
         }
     })
     .await;
-    let service = db
-        .serve("fatal", llm_writer(&fake, Duration::from_secs(5)))
-        .await;
+    let service = db.serve("fatal", fake.writer(Duration::from_secs(5))).await;
     let sql = db.raw().await;
     let poison: i64 = sql
         .query_one(
@@ -187,7 +158,7 @@ async fn malformed_answers_are_retried_until_max_attempts() {
     })
     .await;
     let service = db
-        .serve("malformed", llm_writer(&fake, Duration::from_secs(5)))
+        .serve("malformed", fake.writer(Duration::from_secs(5)))
         .await;
     let passing = post_new_issues(&db, service.addr, 1).await[0];
     until_status(&db, &service.hub, 30, passing, "DONE").await;
@@ -227,9 +198,7 @@ async fn raising_max_attempts_retries_exhausted_issues() {
         }
     })
     .await;
-    let service = db
-        .serve("raise", llm_writer(&fake, Duration::from_secs(5)))
-        .await;
+    let service = db.serve("raise", fake.writer(Duration::from_secs(5))).await;
     let id = post_new_issues(&db, service.addr, 1).await[0];
     until_failed_after(&db, &service.hub, id, 1).await;
     assert_eq!(
@@ -256,9 +225,7 @@ async fn failures_written_by_other_systems_are_retried_and_exhausted_ones_stay_f
         }
     })
     .await;
-    let service = db
-        .serve("retry", llm_writer(&fake, Duration::from_secs(5)))
-        .await;
+    let service = db.serve("retry", fake.writer(Duration::from_secs(5))).await;
     let sql = db.raw().await;
     // Another system claims an issue and gives up on it with plain SQL.
     let theirs = db.add_issues(1).await[0];
@@ -351,9 +318,7 @@ async fn the_llm_concurrency_cap_follows_the_setting() {
         content: ARTICLE.into(),
     })
     .await;
-    let service = db
-        .serve("cap", llm_writer(&fake, Duration::from_secs(5)))
-        .await;
+    let service = db.serve("cap", fake.writer(Duration::from_secs(5))).await;
     post_new_issues(&db, service.addr, 12).await;
     until_all_done(&db, &service.hub).await;
     assert_eq!(
@@ -394,7 +359,7 @@ async fn a_lower_llm_cap_applies_to_the_calls_already_queued() {
     })
     .await;
     let service = db
-        .serve("cap-shrink", llm_writer(&fake, Duration::from_secs(10)))
+        .serve("cap-shrink", fake.writer(Duration::from_secs(10)))
         .await;
     post_new_issues(&db, service.addr, 12).await;
     arrivals.wait_for(|count| *count >= 4).await.unwrap();
@@ -481,9 +446,7 @@ async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
     let db = TestDb::new().await;
     db.count_statements().await;
     db.set("retry_backoff_ms", "50").await;
-    let service = db
-        .serve("retry-locked", Arc::new(OfflineWriter) as SharedWriter)
-        .await;
+    let service = db.serve("retry-locked", offline()).await;
     let id = db.add_issues(1).await[0];
     let sql = db.raw().await;
     let mut holder = db.raw().await;
@@ -528,9 +491,7 @@ async fn a_retry_that_finds_its_issue_locked_is_scheduled_again() {
 async fn a_retry_due_in_years_neither_runs_early_nor_stops_the_others() {
     let db = TestDb::new().await;
     db.set("retry_backoff_ms", "10").await;
-    let service = db
-        .serve("retry-far", Arc::new(OfflineWriter) as SharedWriter)
-        .await;
+    let service = db.serve("retry-far", offline()).await;
     let ids = db.add_issues(2).await;
     let (far, near) = (ids[0], ids[1]);
     let sql = db.raw().await;
@@ -563,9 +524,7 @@ async fn a_retry_due_in_years_neither_runs_early_nor_stops_the_others() {
 async fn an_outcome_that_cannot_be_recorded_fails_at_once_with_the_reason() {
     let db = TestDb::new().await;
     db.set("max_attempts", "1").await;
-    let service = db
-        .serve("unrecordable", Arc::new(OfflineWriter) as SharedWriter)
-        .await;
+    let service = db.serve("unrecordable", offline()).await;
     let id = db.add_issues(1).await[0];
     // Another system already stored an article for it: recording ours
     // violates the one-article-per-issue index.
@@ -609,8 +568,7 @@ async fn failures_left_from_before_start_are_retried_after_a_failed_first_look()
 
     // The database is out of reach until the gate opens.
     let gate = DbGate::start(&db, false).await;
-    let gated = newsnack::db::Endpoint::parse(&gate.url, "gated").unwrap();
-    let pool = newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap();
+    let pool = gate.pool();
 
     let GeneratorApart {
         hub,
@@ -724,17 +682,6 @@ async fn held_generator(db: &TestDb, pool: newsnack::db::DbPool) -> HeldGenerato
     }
 }
 
-/// The service's `newsnack_completions_deferred_total`.
-async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
-    let base = format!("http://{addr}");
-    metric(
-        &reqwest::Client::new(),
-        &base,
-        "newsnack_completions_deferred_total",
-    )
-    .await
-}
-
 /// An issue whose row another system holds (a transaction editing it with
 /// plain SQL, left open) holds up its own completion only: the completion
 /// skips the row rather than wait for it, so the other issues' articles are
@@ -764,24 +711,7 @@ async fn a_row_held_by_another_system_holds_up_only_its_own_completion() {
         .unwrap();
     release.send_replace(true);
     let sql = db.raw().await;
-    within(30, "the article's recording to meet the held row", async {
-        loop {
-            let waiting: bool = sql
-                .query_one(
-                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                                     WHERE datname = current_database() AND wait_event_type = 'Lock')",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if waiting || completions_deferred(service.addr).await > deferred_before {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    until_recording_meets_a_held_row(&sql, service.addr, deferred_before).await;
 
     let (status, body) = post_ids(&http, service.addr, others).await;
     assert_eq!(status, 202, "{body}");
@@ -876,8 +806,7 @@ async fn an_article_is_recorded_after_a_database_outage_not_thrown_away() {
     db.set("lease_s", "600").await;
     let id = db.add_issues(1).await[0];
     let gate = DbGate::start(&db, true).await;
-    let gated = newsnack::db::Endpoint::parse(&gate.url, "gated").unwrap();
-    let pool = newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap();
+    let pool = gate.pool();
     let HeldGenerator {
         hub,
         stop,

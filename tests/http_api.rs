@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use common::http::{answer, json_body, request};
 use common::{
-    move_on, offline, until_done_count, until_sql, until_sql_polled, until_status, within, LogSink,
-    TestDb,
+    claimed_issues, move_on, offline, until_caught_up, until_done_count, until_sql,
+    until_sql_polled, until_status, within, LogSink, TestDb,
 };
 use newsnack::db::issue::{
     claim_issues, fail, heartbeat, reap_expired, ClaimScope, Completion, Fenced, RetryPolicy,
@@ -668,14 +668,8 @@ const CLAIM_LEASE: Duration = Duration::from_secs(60);
 /// A new issue claimed by `worker`: its id, the claim's token, and a
 /// pooled connection to go on with.
 async fn one_claimed_issue(db: &TestDb, worker: &str) -> (i64, i64, deadpool_postgres::Client) {
-    let id = db.add_issues(1).await[0];
-    let client = db.pool.get().await.unwrap();
-    let claim = claim_issues(&client, &[id], worker, CLAIM_LEASE, ClaimScope::Claimable)
-        .await
-        .unwrap()
-        .claimed[0]
-        .claim_id;
-    (id, claim, client)
+    let (claims, client) = claimed_issues(db, 1, worker, CLAIM_LEASE).await;
+    (claims[0].0, claims[0].1, client)
 }
 
 /// A heartbeat, completion or failure meeting the row of its issue held by
@@ -962,20 +956,13 @@ async fn a_late_worker_whose_lease_was_reaped_cannot_write() {
 #[tokio::test]
 async fn the_reaper_leaves_heartbeated_and_completed_issues_alone() {
     let db = TestDb::new().await;
-    let ids = db.add_issues(5).await;
+    let short = Duration::from_secs(1);
+    let (claimed, client) = claimed_issues(&db, 5, "w", short).await;
+    let ids: Vec<i64> = claimed.iter().map(|c| c.0).collect();
     let (beating, completed, expired, beating_now, completing_now) =
         (ids[0], ids[1], ids[2], ids[3], ids[4]);
-    let client = db.pool.get().await.unwrap();
     let sql = db.raw().await;
-    let short = Duration::from_secs(1);
-    let claims: HashMap<i64, i64> = claim_issues(&client, &ids, "w", short, ClaimScope::Claimable)
-        .await
-        .unwrap()
-        .claimed
-        .iter()
-        .map(|c| (c.id, c.claim_id))
-        .collect();
-    assert_eq!(claims.len(), 5);
+    let claims: HashMap<i64, i64> = claimed.into_iter().collect();
     assert_eq!(
         complete(&client, completed, claims[&completed], "h", "b", "offline")
             .await
@@ -1306,21 +1293,9 @@ async fn complete(
 #[tokio::test]
 async fn a_batch_of_completions_writes_the_current_claims_and_fences_the_rest() {
     let db = TestDb::new().await;
-    let ids = db.add_issues(4).await;
-    let client = db.pool.get().await.unwrap();
-    let claims: std::collections::HashMap<i64, i64> = claim_issues(
-        &client,
-        &ids,
-        "w",
-        Duration::from_secs(60),
-        ClaimScope::Claimable,
-    )
-    .await
-    .unwrap()
-    .claimed
-    .iter()
-    .map(|c| (c.id, c.claim_id))
-    .collect();
+    let (claimed, client) = claimed_issues(&db, 4, "w", Duration::from_secs(60)).await;
+    let ids: Vec<i64> = claimed.iter().map(|c| c.0).collect();
+    let claims: std::collections::HashMap<i64, i64> = claimed.into_iter().collect();
     let completion = |id: i64, claim_id: i64| Completion {
         id,
         claim_id,
@@ -1496,15 +1471,7 @@ async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
     for (remove, add_again) in removals {
         until_done_count(&db, &service.hub, 30, 3).await;
         // Known DONE by now, from the listener.
-        within(30, "the service to know the issues DONE", async {
-            let mut published = service.hub.status();
-            let all_done = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
-            published
-                .wait_for(|s| s.last_seq >= all_done)
-                .await
-                .unwrap();
-        })
-        .await;
+        until_caught_up(&db, &service.hub).await;
         let (status, _) = post(ids.clone()).await;
         assert_eq!(status, StatusCode::CONFLICT);
 
@@ -1516,12 +1483,7 @@ async fn ids_of_removed_issues_are_claimable_again_when_they_come_back() {
             .await
             .unwrap();
         db.add_issues(1).await;
-        let after = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
-        within(10, "the transition after the empty delete", async {
-            let mut published = service.hub.status();
-            published.wait_for(|s| s.last_seq >= after).await.unwrap();
-        })
-        .await;
+        until_caught_up(&db, &service.hub).await;
         assert!(!removed.has_changed().unwrap(), "an empty delete announced");
         sql.batch_execute(remove).await.unwrap();
         within(10, "the removal notice", removed.changed())
@@ -1560,12 +1522,7 @@ async fn an_id_finished_removed_and_reused_in_one_transaction_is_claimable() {
     ))
     .await
     .unwrap();
-    let last = db.scalar_i64("SELECT max(seq) FROM issue_transition").await;
-    within(10, "the service to hear of the new issue", async {
-        let mut published = service.hub.status();
-        published.wait_for(|s| s.last_seq >= last).await.unwrap();
-    })
-    .await;
+    until_caught_up(&db, &service.hub).await;
     let (status, answer) = post_issue_ids(&http, &url, vec![id]).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
     assert_eq!(answer["claimed"], json!([id]));

@@ -111,6 +111,12 @@ impl DbGate {
         DbGate { url, server, relay }
     }
 
+    /// A pool of the service's kind whose sessions go through the gate.
+    pub fn pool(&self) -> newsnack::db::DbPool {
+        let gated = newsnack::db::Endpoint::parse(&self.url, "gated").unwrap();
+        newsnack::db::pool(&gated, &newsnack::db::PoolOptions::default()).unwrap()
+    }
+
     /// Lets connections through again.
     pub fn open(&self) {
         self.relay.route(Some(self.server.clone()));

@@ -1,6 +1,6 @@
 //! Plain HTTP calls on a running service, for tests whose point is not the
 //! request itself: a JSON body fetched, a JSON body posted, a metric read,
-//! issues claimed.
+//! issues claimed, a completion seen meeting a held row.
 
 use reqwest::header::{HeaderMap, HeaderName};
 use reqwest::{Method, RequestBuilder, StatusCode};
@@ -111,4 +111,58 @@ pub async fn claim_all(addr: std::net::SocketAddr, ids: &[i64], priority: Option
         Some(ids.len()),
         "{answer}"
     );
+}
+
+/// `POST /ai-articles` of `ids` to the service at `addr`: the status and the
+/// answer.
+pub async fn post_ids(
+    http: &reqwest::Client,
+    addr: std::net::SocketAddr,
+    ids: &[i64],
+) -> (u16, Value) {
+    post_json(
+        http,
+        &format!("http://{addr}/ai-articles"),
+        &serde_json::json!({ "issue_ids": ids }),
+    )
+    .await
+}
+
+/// The service's `newsnack_completions_deferred_total`.
+pub async fn completions_deferred(addr: std::net::SocketAddr) -> f64 {
+    metric(
+        &reqwest::Client::new(),
+        &format!("http://{addr}"),
+        "newsnack_completions_deferred_total",
+    )
+    .await
+}
+
+/// Waits until the service at `addr` has met a row another transaction
+/// holds while recording an article: a session of `sql`'s database waits
+/// on a lock, or the service deferred more completions than
+/// `deferred_before`. Asked every 20 ms: nothing announces it.
+pub async fn until_recording_meets_a_held_row(
+    sql: &tokio_postgres::Client,
+    addr: std::net::SocketAddr,
+    deferred_before: f64,
+) {
+    super::within(30, "the article's recording to meet the held row", async {
+        loop {
+            let waiting: bool = sql
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                                     WHERE datname = current_database() AND wait_event_type = 'Lock')",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting || completions_deferred(addr).await > deferred_before {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
 }

@@ -785,6 +785,35 @@ pub async fn within<T>(secs: u64, what: &str, fut: impl std::future::Future<Outp
         .unwrap_or_else(|_| panic!("timed out after {secs}s waiting for {what}"))
 }
 
+/// `n` new issues claimed by `worker` for `lease`, through the claim
+/// statement: each id with its claim's token, in id order, and the pooled
+/// connection that claimed them, to go on with.
+pub async fn claimed_issues(
+    db: &TestDb,
+    n: usize,
+    worker: &str,
+    lease: Duration,
+) -> (Vec<(i64, i64)>, deadpool_postgres::Client) {
+    let ids = db.add_issues(n).await;
+    let client = db.pool.get().await.unwrap();
+    let scope = newsnack::db::issue::ClaimScope::Claimable;
+    let outcome = newsnack::db::issue::claim_issues(&client, &ids, worker, lease, scope)
+        .await
+        .unwrap();
+    assert_eq!(outcome.claimed_ids(), ids, "every new issue claimed");
+    let claims = outcome.claimed.iter().map(|c| (c.id, c.claim_id)).collect();
+    (claims, client)
+}
+
+/// Waits until the listener of `hub` has published every transition `db`'s
+/// log holds now.
+pub async fn until_caught_up(db: &TestDb, hub: &EventHub) {
+    let newest = db
+        .scalar_i64("SELECT COALESCE(max(seq), 0) FROM issue_transition")
+        .await;
+    until_published(hub, newest).await;
+}
+
 /// Waits until the listener has published `seq`.
 pub async fn until_published(hub: &EventHub, seq: i64) {
     let mut status = hub.status();
