@@ -41,7 +41,9 @@ CREATE TABLE @extschema@.issue (
     -- The collector's key for the story (migration 23): an issue whose key
     -- is already there is not added again.
     source_key        text CONSTRAINT issue_source_key_key UNIQUE
-                      CONSTRAINT issue_source_key_length CHECK (char_length(source_key) BETWEEN 1 AND 1000)
+                      CONSTRAINT issue_source_key_length CHECK (char_length(source_key) BETWEEN 1 AND 1000),
+    -- The W3C trace context it was added in (migration 34).
+    traceparent       text
 );
 -- Dates the service can read back (years 1 to 9999, UTC). NOT VALID, as
 -- the migrations add them: rows stored before them are not checked.
@@ -81,7 +83,9 @@ CREATE TABLE @extschema@.issue_transition (
     claimed_by  text,
     reason      text,
     -- A failure that must not be retried automatically.
-    fatal       boolean NOT NULL DEFAULT false
+    fatal       boolean NOT NULL DEFAULT false,
+    -- The W3C trace context of the transaction that made it (migration 34).
+    traceparent text
 );
 CREATE INDEX issue_transition_issue_id_idx ON @extschema@.issue_transition (issue_id, seq);
 
@@ -441,6 +445,16 @@ BEGIN
 END
 $$;
 
+-- A W3C `traceparent` of version 00 with non-zero ids, lower-cased; NULL
+-- for anything else (a malformed setting is ignored, not an error).
+CREATE FUNCTION @extschema@.newsnack_traceparent(candidate text) RETURNS text
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT lower(candidate)
+     WHERE candidate ~ '^00-[0-9a-fA-F]{32}-[0-9a-fA-F]{16}-[0-9a-fA-F]{2}$'
+       AND substr(candidate, 4, 32) !~ '^0+$'
+       AND substr(candidate, 37, 16) !~ '^0+$'
+$$;
+
 -- The rules of `issue`: a new issue starts PENDING; a change of status
 -- must be legal and keeps the bookkeeping columns honest.
 
@@ -456,6 +470,10 @@ BEGIN
     NEW.claimed_by := NULL;
     NEW.lease_until := NULL;
     NEW.updated_at := now();
+    -- The trace context it was added in (migration 34): its own column's
+    -- if well formed, else the transaction's; garbage is dropped.
+    NEW.traceparent := COALESCE(@extschema@.newsnack_traceparent(NEW.traceparent),
+        @extschema@.newsnack_traceparent(current_setting('newsnack.traceparent', true)));
     RETURN NEW;
 END
 $$;
@@ -580,7 +598,7 @@ BEGIN
     SELECT k.key INTO signing_key FROM @extschema@.notification_key k;
     -- Serialise `seq` allocation with commit order (see 0002).
     IF pg_catalog.pg_advisory_xact_lock(7236284560371893001) IS NULL THEN NULL; END IF;
-    INSERT INTO @extschema@.issue_transition (issue_id, from_status, to_status, at, attempts, claim_id, claimed_by, reason, fatal)
+    INSERT INTO @extschema@.issue_transition (issue_id, from_status, to_status, at, attempts, claim_id, claimed_by, reason, fatal, traceparent)
     VALUES (
         NEW.id,
         from_status,
@@ -590,7 +608,11 @@ BEGIN
         NEW.claim_id,
         NEW.claimed_by,
         CASE WHEN NEW.processing_status OPERATOR(pg_catalog.=) 'FAILED' THEN NEW.last_error END,
-        fatal
+        fatal,
+        -- The writing transaction's trace context (migration 34); an
+        -- issue's first transition falls back on the issue's own.
+        COALESCE(@extschema@.newsnack_traceparent(pg_catalog.current_setting('newsnack.traceparent', true)),
+                 CASE WHEN TG_OP OPERATOR(pg_catalog.=) 'INSERT' THEN NEW.traceparent END)
     )
     RETURNING seq, at INTO logged_seq, logged_at;
     -- The payload as 0019 wrote it, its closing brace left for the end.
@@ -817,6 +839,20 @@ BEGIN
              WHERE i.id = a.id AND i.processing_status = 'DONE'
             OFFSET 0
       ) d;
+END
+$$;
+
+-- The claim of `newsnack_claim` made in the trace context `traceparent`,
+-- which its transitions keep. The service calls it only for a claim that
+-- has a context; it runs as its caller; only the owner may call it.
+CREATE FUNCTION @extschema@.newsnack_claim_traced(
+    ids bigint[], holder text, lease_s double precision, retry_below integer, traceparent text
+) RETURNS TABLE (id bigint, claim_id bigint, attempts integer, title text, body text,
+                 lease_until timestamptz)
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM set_config('newsnack.traceparent', COALESCE(traceparent, ''), true);
+    RETURN QUERY SELECT * FROM @extschema@.newsnack_claim(ids, holder, lease_s, retry_below);
 END
 $$;
 
@@ -1492,6 +1528,7 @@ REVOKE EXECUTE ON FUNCTION
     @extschema@.setting_announce(),
     @extschema@.setting_announce_truncation(),
     @extschema@.newsnack_claim(bigint[], text, double precision, integer),
+    @extschema@.newsnack_claim_traced(bigint[], text, double precision, integer, text),
     @extschema@.newsnack_complete(bigint[], bigint[], text[], text[], text, integer[], integer[]),
     @extschema@.newsnack_rotate_notification_key()
 FROM PUBLIC;

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | [`model`] | the shared vocabulary: `Status`, a logged `Transition`, an LLM call's `Priority` and `TokenUsage` |
 //! | [`metrics`] | the Prometheus metrics every module records into |
+//! | [`telemetry`] | traces over OpenTelemetry: the OTLP export, a request's W3C trace context |
 //! | [`logging`] | log output that a failing destination cannot break |
 //! | [`shutdown`] | the one shutdown signal every task selects on |
 //! | [`db`] | connections (TLS, pooled and direct endpoints), the pool, migrations, roles, advisory locks, every SQL query (one file per table) |
@@ -42,4 +43,5 @@ pub mod model;
 pub mod serve;
 pub mod settings;
 pub mod shutdown;
+pub mod telemetry;
 pub mod writer;

@@ -16,22 +16,32 @@
 use std::io::Write;
 
 use tracing_subscriber::fmt::MakeWriter;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+use crate::telemetry::Export;
 
 /// Starts logging to stderr through [`LossyStderr`]; `RUST_LOG` picks
 /// levels (otherwise `default`), `NEWSNACK_LOG_FORMAT=json` switches to
-/// JSON lines.
-pub fn init(default: &str) {
+/// JSON lines. With `export`, the same spans (at the levels `RUST_LOG`
+/// lets through) also go to it ([`crate::telemetry`]).
+pub fn init(default: &str, export: Option<&Export>) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let lines = tracing_subscriber::fmt::layer()
         .with_writer(LossyStderr)
         .log_internal_errors(false);
-    if std::env::var("NEWSNACK_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
+    let lines =
+        if std::env::var("NEWSNACK_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
+            lines.json().boxed()
+        } else {
+            lines.boxed()
+        };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(export.map(|e| e.layer()))
+        .with(lines)
+        .init();
 }
 
 /// Makes one [`LossyLine`] per log event: stderr, whose failures are

@@ -88,6 +88,7 @@ const LLM_PAUSED_UNTIL: &str = "newsnack_llm_paused_until_seconds";
 const LLM_PAUSES: &str = "newsnack_llm_pauses_total";
 const GENERATION_PAUSED: &str = "newsnack_generation_paused";
 const LOG_LINES_DROPPED: &str = "newsnack_log_lines_dropped_total";
+const TRACE_SPANS_LOST: &str = "newsnack_trace_spans_lost_total";
 const ARTICLES_REJECTED: &str = "newsnack_articles_rejected_total";
 const GENERATIONS_CANCELLED: &str = "newsnack_generations_cancelled_total";
 const WAITS_OPEN: &str = "newsnack_waits_open";
@@ -121,6 +122,11 @@ pub const ARTICLE_CHECKS: [&str; 4] = ["headline_length", "body_length", "reject
 /// count without touching the recorder (which may itself log), and copied
 /// into the counter when rendered.
 static LOG_LINES_DROPPED_SO_FAR: AtomicU64 = AtomicU64::new(0);
+/// Spans not exported so far: dropped at a full queue, or in a batch the
+/// collector did not take. Counted here because the exporter's thread
+/// records them, copied into the counter when rendered.
+static TRACE_SPANS_QUEUE_FULL: AtomicU64 = AtomicU64::new(0);
+static TRACE_SPANS_EXPORT_FAILED: AtomicU64 = AtomicU64::new(0);
 
 /// Histogram buckets (seconds) of a smart wait: up to the longest
 /// sensible `content_gen_timeout_s`.
@@ -349,6 +355,13 @@ fn describe_and_register() {
     counter!(COMPLETIONS_DEFERRED).increment(0);
     counter!(AUTH_REJECTIONS).increment(0);
     counter!(LOG_LINES_DROPPED).increment(0);
+    describe_counter!(
+        TRACE_SPANS_LOST,
+        "Trace spans not exported, by reason: queue_full (the collector is slower than the service), export_failed (it refused or could not be reached)"
+    );
+    for reason in ["queue_full", "export_failed"] {
+        counter!(TRACE_SPANS_LOST, "reason" => reason).increment(0);
+    }
     gauge!(GENERATIONS_IN_FLIGHT).increment(0.0);
     gauge!(SSE_CLIENTS).increment(0.0);
     for lock in ["lease-reaper", "pipeline"] {
@@ -361,6 +374,10 @@ fn describe_and_register() {
 pub fn render() -> Result<String, MetricsError> {
     let handle = install().map_err(Clone::clone)?;
     counter!(LOG_LINES_DROPPED).absolute(LOG_LINES_DROPPED_SO_FAR.load(Ordering::Relaxed));
+    counter!(TRACE_SPANS_LOST, "reason" => "queue_full")
+        .absolute(TRACE_SPANS_QUEUE_FULL.load(Ordering::Relaxed));
+    counter!(TRACE_SPANS_LOST, "reason" => "export_failed")
+        .absolute(TRACE_SPANS_EXPORT_FAILED.load(Ordering::Relaxed));
     Ok(handle.render())
 }
 
@@ -616,6 +633,17 @@ pub fn completion_deferred() {
 /// Touches nothing but an atomic: it is called from inside log writes.
 pub fn log_line_dropped() {
     LOG_LINES_DROPPED_SO_FAR.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A finished span was dropped: the export queue was full. Touches
+/// nothing but an atomic: it is called as a span ends.
+pub fn trace_span_queue_full() {
+    TRACE_SPANS_QUEUE_FULL.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A batch of `n` spans could not be exported.
+pub fn trace_spans_export_failed(n: usize) {
+    TRACE_SPANS_EXPORT_FAILED.fetch_add(n as u64, Ordering::Relaxed);
 }
 
 /// The `reason`s of `newsnack_auth_rejections_total`.

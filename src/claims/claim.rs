@@ -27,6 +27,8 @@ struct ClaimRequest {
     ids: Vec<i64>,
     lease: Duration,
     scope: ClaimScope,
+    /// The requester's trace context, kept on the claim's transitions.
+    traceparent: Option<String>,
     answer: oneshot::Sender<Result<ClaimOutcome, DbError>>,
 }
 
@@ -59,6 +61,32 @@ impl Claimer {
         lease: Duration,
         scope: ClaimScope,
     ) -> Result<ClaimOutcome, DbError> {
+        let span = if crate::telemetry::exporting() {
+            tracing::info_span!(
+                "claim",
+                otel.kind = "internal",
+                newsnack.ids_asked = ids.len() as i64,
+                newsnack.claimed = tracing::field::Empty,
+                newsnack.skipped = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
+        let outcome =
+            tracing::Instrument::instrument(self.claim_in_span(ids, lease, scope), span.clone())
+                .await?;
+        span.record("newsnack.claimed", outcome.claimed.len() as i64);
+        span.record("newsnack.skipped", outcome.skipped.len() as i64);
+        Ok(outcome)
+    }
+
+    async fn claim_in_span(
+        &self,
+        ids: Vec<i64>,
+        lease: Duration,
+        scope: ClaimScope,
+    ) -> Result<ClaimOutcome, DbError> {
+        let traceparent = crate::telemetry::current_traceparent();
         let stopped = || DbError::Invalid("the claimer has stopped".into());
         let (answer, outcome) = oneshot::channel();
         let mut outcome = Unread {
@@ -70,6 +98,7 @@ impl Claimer {
                 ids,
                 lease,
                 scope,
+                traceparent,
                 answer,
             })
             .await
@@ -81,15 +110,17 @@ impl Claimer {
 }
 
 /// Runs a batch: one claim statement (its own transaction) per kind of
-/// request, over the union of their ids, split back by first requester (see
-/// [`each_or_alone`] for when a statement fails).
+/// request (lease, scope and trace context), over the union of their ids,
+/// split back by first requester (see [`each_or_alone`] for when a
+/// statement fails).
 async fn run_batch(pool: &DbPool, worker: &str, batch: Vec<ClaimRequest>) {
     let mut kinds: Vec<Vec<ClaimRequest>> = Vec::new();
     for request in batch {
-        match kinds
-            .iter_mut()
-            .find(|k| k[0].lease == request.lease && k[0].scope == request.scope)
-        {
+        match kinds.iter_mut().find(|k| {
+            k[0].lease == request.lease
+                && k[0].scope == request.scope
+                && k[0].traceparent == request.traceparent
+        }) {
             Some(kind) => kind.push(request),
             None => kinds.push(vec![request]),
         }
@@ -169,9 +200,17 @@ async fn claim_together(
         }
     }
     let all: Vec<i64> = first_asker.keys().copied().collect();
-    let (lease, scope) = (requests[0].lease, requests[0].scope);
+    let first = &requests[0];
     let client = pool.get().await?;
-    let together = issue::claim_issues(&pool.session(&client), &all, worker, lease, scope).await?;
+    let together = issue::claim_issues_traced(
+        &pool.session(&client),
+        &all,
+        worker,
+        first.lease,
+        first.scope,
+        first.traceparent.as_deref(),
+    )
+    .await?;
     drop(client);
     let done: BTreeSet<i64> = together.done.into_iter().collect();
     let mut won: Vec<Vec<ClaimedIssue>> = vec![Vec::new(); requests.len()];
@@ -192,7 +231,15 @@ async fn claim_alone(
     r: &ClaimRequest,
 ) -> Result<ClaimOutcome, DbError> {
     let client = pool.get().await?;
-    issue::claim_issues(&pool.session(&client), &r.ids, worker, r.lease, r.scope).await
+    issue::claim_issues_traced(
+        &pool.session(&client),
+        &r.ids,
+        worker,
+        r.lease,
+        r.scope,
+        r.traceparent.as_deref(),
+    )
+    .await
 }
 
 /// Marks claims (`(id, claim_id)`) this instance will not finish `FAILED`

@@ -246,7 +246,7 @@ pub(super) async fn issues(
             input::check_new_issues(&new)?;
             let pool = open(database).await?;
             let client = pool.get().await.map_err(DbError::from)?;
-            let added = db::issue::add_issues(&client, &new).await?;
+            let added = db::issue::add_issues(&client, &new, None).await?;
             println!(
                 "{}",
                 serde_json::json!({ "ids": added.ids, "existing": added.existing })

@@ -163,6 +163,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "scale hint",
         sql: include_str!("../../sql/0032_scale_hint.sql"),
     },
+    Migration {
+        version: 34,
+        name: "trace context",
+        sql: include_str!("../../sql/0034_trace_context.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -277,7 +277,12 @@ impl Generator {
                         start: Arc::default(),
                         left_in_progress: Arc::default(),
                     };
-                    let task = inflight.spawn(generate(
+                    let span = crate::telemetry::generation_span(
+                        claimed.id,
+                        attempts,
+                        claimed.traceparent.as_deref(),
+                    );
+                    let task = inflight.spawn(tracing::Instrument::instrument(generate(
                         Generation {
                             pool: self.pool.clone(),
                             completer: self.completer.clone(),
@@ -290,7 +295,7 @@ impl Generator {
                         priority,
                         in_flight.start.clone(),
                         in_flight.left_in_progress.clone(),
-                    ));
+                    ), span));
                     by_issue.entry(in_flight.claim.0).or_default().push(task.id());
                     // Left IN_PROGRESS before the claim reached the queue?
                     if recent_exits.seen(in_flight.claim.0, attempts) {

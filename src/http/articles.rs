@@ -86,7 +86,7 @@ pub async fn request_articles(
         // client that disconnects mid-claim drops this handler, and the
         // issues its claim took must still be generated.
         let (claimer, generator) = (state.claimer.clone(), state.generator.clone());
-        let outcome = tokio::spawn(async move {
+        let outcome = tokio::spawn(crate::telemetry::in_current_context(async move {
             let mut outcome = claimer
                 .claim(open, settings.lease(), ClaimScope::Claimable)
                 .await?;
@@ -95,7 +95,7 @@ pub async fn request_articles(
                 .submit_at(std::mem::take(&mut outcome.claimed), priority)
                 .await;
             Ok::<_, crate::db::DbError>((ids, outcome))
-        })
+        }))
         .await
         .map_err(|e| ApiError::Internal(format!("the claim task failed: {e}")))??;
         let (ids, outcome) = outcome;

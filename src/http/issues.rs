@@ -41,7 +41,8 @@ pub async fn add_issues(
     let new: Vec<NewIssue> = request.issues.into_iter().map(NewIssue::from).collect();
     input::check_new_issues(&new)?;
     let client = state.pool.get().await.map_err(crate::db::DbError::from)?;
-    let added = issue::add_issues(&client, &new).await?;
+    let traceparent = crate::telemetry::current_traceparent();
+    let added = issue::add_issues(&client, &new, traceparent.as_deref()).await?;
     let status = if added.added_any() {
         StatusCode::CREATED
     } else {

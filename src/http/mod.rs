@@ -4,7 +4,10 @@
 //!
 //! Around every route: an `x-request-id` (the client's, or a new UUID) set on
 //! the request and echoed on the response, a request span carrying that id,
-//! the method and the path, and the token check ([`auth`]). A handler that panics is answered 500 `{"error": ..}` (and
+//! the method and the path (a child of the caller's W3C `traceparent`, which
+//! the answer carries back: [`crate::telemetry::TraceContextLayer`]), and
+//! the token check ([`auth`]). A handler that panics is answered 500
+//! `{"error": ..}` (and
 //! logged) rather than with a dropped connection. `GET /metrics` renders
 //! [`crate::metrics`].
 
@@ -113,6 +116,7 @@ pub fn router(services: Services) -> Router {
                 .make_span_with(request_span)
                 .on_response(log_response),
         )
+        .layer(crate::telemetry::TraceContextLayer)
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(CatchPanicLayer::custom(panic_response))
         .layer(ValidateRequestHeaderLayer::custom(access))
@@ -185,11 +189,15 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
         .unwrap_or("");
     let method = request.method().as_str();
     let path = request.uri().path();
-    if QUIET_PATHS.contains(&path) {
+    let span = if QUIET_PATHS.contains(&path) {
         tracing::debug_span!("request", request_id, method, path)
     } else {
         tracing::info_span!("request", request_id, method, path)
+    };
+    if let Some(caller) = crate::telemetry::caller_context(request.headers()) {
+        crate::telemetry::adopt_caller(&span, &caller);
     }
+    span
 }
 
 /// One line per answered request, in its span (so with its id).

@@ -188,7 +188,15 @@ impl OpenAiWriter {
         if let Some(authorization) = &self.authorization {
             builder = builder.header(AUTHORIZATION, authorization.clone());
         }
-        let result = self.send(builder).await;
+        let span = crate::telemetry::llm_call_span(&self.model, &self.name);
+        let result = tracing::Instrument::instrument(self.send(builder), span.clone()).await;
+        match &result {
+            Ok((_, usage)) => crate::telemetry::llm_call_ended(
+                &span,
+                Ok((usage.prompt_tokens, usage.completion_tokens)),
+            ),
+            Err(err) => crate::telemetry::llm_call_ended(&span, Err(&err.kind())),
+        }
         if let Err(err) = &result {
             tracing::debug!(
                 issue = issue.id,

@@ -23,6 +23,8 @@ pub struct ClaimedIssue {
     /// claim's commit): the first heartbeat must come well within it,
     /// whatever `lease_s` says by the time the generation starts.
     pub lease: Duration,
+    /// The W3C trace context the claim was made in, if any.
+    pub traceparent: Option<String>,
 }
 
 /// What a claim did with each requested id.
@@ -78,6 +80,12 @@ pub enum ClaimScope {
 pub const CLAIM_STATEMENT: &str =
     "SELECT id, claim_id, attempts, title, body, lease_until FROM newsnack_claim($1, $2, $3, $4)";
 
+/// [`CLAIM_STATEMENT`] in a trace context, `$5`, which the claim's
+/// transitions keep (`newsnack_claim_traced`, migration 34): the same one
+/// statement, sent only when there is a context.
+pub const TRACED_CLAIM_STATEMENT: &str = "SELECT id, claim_id, attempts, title, body, lease_until \
+     FROM newsnack_claim_traced($1, $2, $3, $4, $5)";
+
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
 /// token, counts the attempt, records the holder and the lease deadline.
@@ -96,6 +104,19 @@ pub async fn claim_issues(
     lease: Duration,
     scope: ClaimScope,
 ) -> Result<ClaimOutcome, DbError> {
+    claim_issues_traced(client, ids, worker, lease, scope, None).await
+}
+
+/// [`claim_issues`] in the trace context `traceparent`, which the claim's
+/// transitions keep (`issue_transition.traceparent`).
+pub async fn claim_issues_traced(
+    client: &impl Sql,
+    ids: &[i64],
+    worker: &str,
+    lease: Duration,
+    scope: ClaimScope,
+    traceparent: Option<&str>,
+) -> Result<ClaimOutcome, DbError> {
     // The scope as the statement's $4: NULL, -1 (pending only) or the
     // attempts bound of a retry.
     let retry_below: Option<i32> = match scope {
@@ -103,17 +124,28 @@ pub async fn claim_issues(
         ClaimScope::Pending => Some(-1),
         ClaimScope::RetryBelow(max) => Some(max),
     };
-    let rows = crate::db::query_kept(
-        client,
-        CLAIM_STATEMENT,
-        &[
-            (&ids, Type::INT8_ARRAY),
-            (&worker, Type::TEXT),
-            (&lease.as_secs_f64(), Type::FLOAT8),
-            (&retry_below, Type::INT4),
-        ],
-    )
-    .await?;
+    let lease_s = lease.as_secs_f64();
+    let rows = match traceparent {
+        None => {
+            let params: &crate::db::TypedParams<'_> = &[
+                (&ids, Type::INT8_ARRAY),
+                (&worker, Type::TEXT),
+                (&lease_s, Type::FLOAT8),
+                (&retry_below, Type::INT4),
+            ];
+            crate::db::query_kept(client, CLAIM_STATEMENT, params).await?
+        }
+        Some(traceparent) => {
+            let params: &crate::db::TypedParams<'_> = &[
+                (&ids, Type::INT8_ARRAY),
+                (&worker, Type::TEXT),
+                (&lease_s, Type::FLOAT8),
+                (&retry_below, Type::INT4),
+                (&traceparent, Type::TEXT),
+            ];
+            crate::db::query_kept(client, TRACED_CLAIM_STATEMENT, params).await?
+        }
+    };
     let mut claimed = Vec::new();
     let mut done = BTreeSet::new();
     for r in &rows {
@@ -126,6 +158,7 @@ pub async fn claim_issues(
                 body: r.get(4),
                 lease_until: r.get(5),
                 lease,
+                traceparent: traceparent.map(str::to_owned),
             }),
             None => {
                 done.insert(r.get(0));

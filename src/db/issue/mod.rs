@@ -9,7 +9,10 @@ mod fenced;
 mod operator;
 mod retry_state;
 
-pub use claim::{claim_issues, ClaimOutcome, ClaimScope, ClaimedIssue, CLAIM_STATEMENT};
+pub use claim::{
+    claim_issues, claim_issues_traced, ClaimOutcome, ClaimScope, ClaimedIssue, CLAIM_STATEMENT,
+    TRACED_CLAIM_STATEMENT,
+};
 pub use fenced::{
     claim_current, complete, fail, fail_unspent, heartbeat, reap_expired, release, Completion,
     Fenced, RetryPolicy, COMPLETE_STATEMENT,
@@ -79,7 +82,7 @@ impl Added {
 
 /// [`add_issues`], for callers that want the ids only.
 pub async fn insert_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Vec<i64>, DbError> {
-    Ok(add_issues(client, issues).await?.ids)
+    Ok(add_issues(client, issues, None).await?.ids)
 }
 
 /// Adds issues; an item whose `source_key` an issue already holds (or an
@@ -90,7 +93,14 @@ pub async fn insert_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Vec
 /// adding waits for it to commit, then skips, and the read (a later
 /// statement, so a later snapshot) sees that issue. A skipped key whose
 /// issue is gone by the read (deleted meanwhile) is inserted again.
-pub async fn add_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Added, DbError> {
+///
+/// The issues added keep `traceparent`, the W3C trace context they were
+/// added in (`issue.traceparent`).
+pub async fn add_issues(
+    client: &impl Sql,
+    issues: &[NewIssue],
+    traceparent: Option<&str>,
+) -> Result<Added, DbError> {
     use std::collections::HashMap;
     let mut answer: Vec<Option<i64>> = vec![None; issues.len()];
     let mut existing = Vec::new();
@@ -121,8 +131,8 @@ pub async fn add_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Added,
         let inserted = client
             .sql()
             .query_typed(
-                "INSERT INTO issue (title, body, score, collected_at, source_key)
-                 SELECT t, b, s, COALESCE(c, now()), k
+                "INSERT INTO issue (title, body, score, collected_at, source_key, traceparent)
+                 SELECT t, b, s, COALESCE(c, now()), k, $6
                    FROM unnest($1::text[], $2::text[], $3::float8[], $4::timestamptz[], $5::text[])
                         WITH ORDINALITY AS n(t, b, s, c, k, ord)
                   ORDER BY ord
@@ -134,6 +144,7 @@ pub async fn add_issues(client: &impl Sql, issues: &[NewIssue]) -> Result<Added,
                     (&scores, Type::FLOAT8_ARRAY),
                     (&collected, Type::TIMESTAMPTZ_ARRAY),
                     (&keys, Type::TEXT_ARRAY),
+                    (&traceparent, Type::TEXT),
                 ],
             )
             .await?;
