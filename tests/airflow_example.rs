@@ -1,104 +1,103 @@
-//! The Airflow example's HTTP client (`examples/airflow/newsnack_client.py`),
-//! end to end against a real `serve`: `examples/airflow/run_briefing.py`
-//! claims, sends one smart wait and assembles, exactly as the DAG's tasks
-//! do, and prints what happened as JSON. Each test checks that output and
-//! the database: a briefing made from exactly the ids the wait returned (in
-//! target order), no briefing when the wait skips, and a clear failure that
-//! changes nothing when the token is wrong or the service is unreachable.
+//! The Airflow example (`examples/airflow/`) end to end against a real
+//! `serve`, through the provider (`integrations/airflow`).
 //!
-//! The last two run the DAG itself in Apache Airflow 3 (`airflow dags
-//! test`, installed from PyPI into a cached venv): every task succeeds and
-//! the briefing holds exactly the completed ids; and the skip path.
+//! `run_briefing.py`, the DAG's flow without Airflow: a partial success
+//! publishes exactly the ids the wait returned, a skip publishes nothing, a
+//! wrong token and an unreachable service fail clearly and change nothing.
 //!
-//! The tests need `python3` (and `venv` for Airflow); without it they fail
-//! and say what to install.
+//! Then one real Airflow 3 deployment (scheduler, DAG processor, API
+//! server and triggerer, each its own process, LocalExecutor on SQLite, all
+//! on loopback) runs the example DAG against a service whose LLM (the fake,
+//! `common::fake_llm`) takes seconds per article: the wait task is seen
+//! `deferred` while they are written and the briefing holds exactly the
+//! completed ids; the triggerer is SIGKILLed mid-wait and started again,
+//! and the wait still decides `timeout_pass` at its original deadline
+//! (within a second); a `skip` skips the briefing task; and bad input (an
+//! unknown connection, a wrong token, unknown ids, a timeout already over,
+//! a service down for the whole wait) fails each task with its message
+//! and leaves no trigger behind. Last, the same DAG on Airflow 2.10
+//! (`airflow dags test`, which runs the trigger in-process).
+//!
+//! Airflow comes from PyPI into cached venvs (`common::python`).
 
 mod common;
 
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
-use std::sync::Arc;
+use std::time::Duration;
 
-use common::writers::FatalFor;
+use common::fake_llm::{FakeLlm, Reply};
+use common::python::{provider_venv, AIRFLOW_2, AIRFLOW_3};
 use common::{within, Setup, TestDb};
 use newsnack::serve::RunningService;
-use serde_json::Value;
-use tokio::io::AsyncWriteExt;
+use serde_json::{json, Value};
 
 const TOKEN: &str = "airflow-example-token-93c1";
-const SCRIPT: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/examples/airflow/run_briefing.py"
-);
+const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/airflow");
+const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
+/// How long the fake LLM takes to write an article.
+const WRITING: Duration = Duration::from_secs(4);
 
-/// Offline articles, except for issues whose title starts with `refuse`:
-/// those fail for good at once.
-const REFUSING: FatalFor = FatalFor {
-    name: "refusing",
-    prefix: "refuse",
-    message: "the model refused this issue",
-};
+/// The fake LLM: slow articles; none for issues titled `stuck` (it never
+/// answers) or `refuse` (400, a failure for good).
+async fn slow_llm() -> FakeLlm {
+    FakeLlm::start(|_, request| {
+        let prompt = request["messages"][1]["content"].as_str().unwrap_or("");
+        if prompt.contains("stuck") {
+            Reply::Hang
+        } else if prompt.contains("refuse") {
+            Reply::BadRequest
+        } else {
+            Reply::Slow {
+                delay: WRITING,
+                content: ARTICLE.into(),
+            }
+        }
+    })
+    .await
+}
 
-async fn serve(db: &TestDb, token: Option<&str>) -> RunningService {
+async fn serve(db: &TestDb, llm: &FakeLlm) -> RunningService {
     let setup = Setup {
         pool_size: Some(8),
-        tokens: newsnack::http::auth::Tokens {
-            api: token.map(str::to_string),
-            ..Default::default()
-        },
+        tokens: newsnack::http::auth::Tokens::api(TOKEN),
         ..Setup::default()
     };
-    db.serve_with("airflow-example", Arc::new(REFUSING), setup)
-        .await
+    db.serve_with(
+        "airflow-example",
+        llm.writer(Duration::from_secs(300)),
+        setup,
+    )
+    .await
 }
 
-/// Runs the example script against `base_url` with `token` in its
-/// environment; `stdin` is piped to it when given.
-async fn run_briefing(
-    base_url: &str,
-    token: Option<&str>,
-    args: &[&str],
-    stdin: Option<&str>,
-) -> Output {
-    let mut command = tokio::process::Command::new(common::python::python3());
-    command
-        .arg(SCRIPT)
-        .arg("--base-url")
-        .arg(base_url)
-        .args(args)
-        .env_remove("NEWSNACK_BASE_URL")
-        .env_remove("NEWSNACK_API_TOKEN")
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    if let Some(token) = token {
-        command.env("NEWSNACK_API_TOKEN", token);
+/// Adds issues `(title, score)` with plain SQL, as a collector would.
+async fn add(db: &TestDb, titles: &[&str]) -> Vec<i64> {
+    let sql = db.raw().await;
+    let mut added = Vec::new();
+    for (i, title) in titles.iter().enumerate() {
+        let id: i64 = sql
+            .query_one(
+                "INSERT INTO issue (title, body, score) VALUES ($1, 'It happened. Then more happened.', $2) RETURNING id",
+                &[title, &(100.0 - i as f64)],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        added.push(id);
     }
-    let mut child = command.spawn().expect("run python3");
-    if let Some(text) = stdin {
-        let mut pipe = child.stdin.take().unwrap();
-        pipe.write_all(text.as_bytes()).await.unwrap();
-        drop(pipe);
-    }
-    within(60, "run_briefing.py to finish", child.wait_with_output())
-        .await
-        .expect("collect the script's output")
+    added
 }
 
-/// The script's JSON report, or a failure that shows what it printed.
-fn report(out: &Output) -> Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "run_briefing.py printed no JSON ({e}); exit {:?}\nstdout: {}\nstderr: {}",
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
+async fn briefings(db: &TestDb) -> Vec<Vec<i64>> {
+    let sql = db.raw().await;
+    sql.query("SELECT issue_ids FROM briefing ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
 }
 
 fn ids(value: &Value) -> Vec<i64> {
@@ -110,392 +109,636 @@ fn ids(value: &Value) -> Vec<i64> {
         .collect()
 }
 
-/// Adds issues `(title, score)` with plain SQL, as a collector would.
-async fn add(db: &TestDb, issues: &[(&str, f64)]) -> Vec<i64> {
-    let sql = db.raw().await;
-    let mut added = Vec::new();
-    for (title, score) in issues {
-        let id: i64 = sql
-            .query_one(
-                "INSERT INTO issue (title, body, score) VALUES ($1, 'It happened. Then more happened.', $2) RETURNING id",
-                &[title, score],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        added.push(id);
+/// Runs `run_briefing.py` with the venv's Python (which has the provider).
+async fn run_briefing(
+    bin: &Path,
+    base_url: &str,
+    token: Option<&str>,
+    args: &[String],
+) -> (Output, Value) {
+    let mut command = tokio::process::Command::new(bin.join("python"));
+    command
+        .arg(format!("{EXAMPLE}/run_briefing.py"))
+        .args(["--base-url", base_url])
+        .args(args)
+        .env_remove("NEWSNACK_API_TOKEN")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    if let Some(token) = token {
+        command.env("NEWSNACK_API_TOKEN", token);
     }
-    added
-}
-
-async fn briefings(db: &TestDb) -> Vec<(i64, Vec<i64>)> {
-    let sql = db.raw().await;
-    sql.query("SELECT id, issue_ids FROM briefing ORDER BY id", &[])
+    let out = within(120, "run_briefing.py", command.output())
         .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
+        .unwrap();
+    let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "run_briefing.py printed no JSON ({e}): {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out, report)
 }
 
-/// Three issues; the model refuses to write the first two.
-async fn two_of_three_refused(db: &TestDb) -> Vec<i64> {
-    add(
-        db,
-        &[("refuse one", 3.0), ("refuse two", 2.0), ("Fine", 1.0)],
-    )
-    .await
-}
-
-/// The script's arguments for a wait on `targets` of which 2 must
-/// complete within 120 s.
-fn wait_args(targets: &[i64]) -> Vec<String> {
-    let mut args: Vec<String> = ["--min-completion", "2", "--timeout-s", "120"]
-        .map(String::from)
-        .to_vec();
+fn wait_args(min: usize, targets: &[i64]) -> Vec<String> {
+    let mut args = vec![
+        "--min-completion".into(),
+        min.to_string(),
+        "--timeout-s".into(),
+        "120".into(),
+    ];
     args.extend(targets.iter().map(i64::to_string));
     args
 }
 
-/// Four issues, hottest first; the model refuses to write the second.
-async fn four_stories_one_refused(db: &TestDb) -> Vec<i64> {
-    add(
-        db,
-        &[
-            ("Hottest story", 9.0),
-            ("refuse: the story the model will not write", 8.0),
-            ("Third story", 7.0),
-            ("Fourth story", 6.0),
-        ],
-    )
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_partial_success_publishes_exactly_the_ids_the_wait_returned() {
+async fn run_briefing_publishes_the_completed_ids_skips_and_fails_clearly() {
+    let bin = provider_venv("airflow3-provider", AIRFLOW_3).await;
     let db = TestDb::new().await;
-    let targets = four_stories_one_refused(&db).await;
-    let service = serve(&db, Some(TOKEN)).await;
+    let llm = slow_llm().await;
+    let service = serve(&db, &llm).await;
     let base = format!("http://{}", service.addr);
-    let args = wait_args(&targets);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = run_briefing(&base, Some(TOKEN), &args, None).await;
-    let report = report(&out);
+
+    // A partial success: one target fails for good, three are written.
+    let targets = add(&db, &["Hottest", "refuse: not this one", "Third", "Fourth"]).await;
+    let (out, report) = run_briefing(&bin, &base, Some(TOKEN), &wait_args(2, &targets)).await;
     assert_eq!(out.status.code(), Some(0), "{report}");
-
-    assert_eq!(ids(&report["targets"]), targets);
-    assert_eq!(ids(&report["claim"]["claimed"]), targets, "{report}");
-    assert_eq!(report["claim"]["conflict"], false);
-    // One target fails for good, so the wait settles before its deadline:
-    // 3 DONE of 4, at least 2 needed.
-    let wait = &report["wait"];
-    assert_eq!(wait["outcome"], "timeout_pass", "{report}");
-    assert_eq!(ids(&wait["failed"]), vec![targets[1]]);
-    assert_eq!(ids(&wait["unfinished"]), Vec::<i64>::new());
-    let completed = ids(&wait["completed"]);
-    assert_eq!(completed, vec![targets[0], targets[2], targets[3]]);
-    assert!(
-        wait["waited_ms"].as_u64().unwrap() < 120_000,
-        "decided before its deadline"
-    );
-
-    // The briefing holds exactly the completed ids, in target order.
+    assert_eq!(ids(&report["claim"]["claimed"]), targets);
+    assert_eq!(report["wait"]["outcome"], "timeout_pass", "{report}");
+    assert_eq!(ids(&report["wait"]["failed"]), vec![targets[1]]);
     let expected = vec![targets[0], targets[2], targets[3]];
-    let briefing_id = report["briefing"]["briefing_id"].as_i64().unwrap();
     assert_eq!(ids(&report["briefing"]["issue_ids"]), expected);
-    assert_eq!(briefings(&db).await, vec![(briefing_id, expected.clone())]);
-    let sql = db.raw().await;
-    let row = sql
-        .query_one(
-            "SELECT (SELECT array_agg(issue_id ORDER BY issue_id) FROM ai_article),
-                    (SELECT processing_status || ':' || (retry_not_before = 'infinity')::text
-                       FROM issue WHERE id = $1)",
-            &[&targets[1]],
-        )
+    assert_eq!(briefings(&db).await, vec![expected]);
+
+    // A skip publishes nothing (exit 3).
+    let skipping = add(&db, &["refuse one", "refuse two", "Fine"]).await;
+    let (out, report) = run_briefing(&bin, &base, Some(TOKEN), &wait_args(2, &skipping)).await;
+    assert_eq!(out.status.code(), Some(3), "{report}");
+    assert_eq!(report["wait"]["outcome"], "skip");
+    assert_eq!(report["briefing"], Value::Null);
+    assert_eq!(briefings(&db).await.len(), 1);
+
+    // A wrong or missing token: 401 at the claim, nothing changed.
+    let untouched = add(&db, &["Untouched"]).await;
+    for token in [Some("not-the-token"), None] {
+        let (out, report) = run_briefing(&bin, &base, token, &wait_args(1, &untouched)).await;
+        assert_eq!(out.status.code(), Some(1), "{report}");
+        assert_eq!(
+            (report["step"].as_str(), report["status"].as_i64()),
+            (Some("claim"), Some(401))
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("POST /ai-articles failed (HTTP 401): missing or wrong bearer token"),
+            "{stderr}"
+        );
+    }
+    let status: String = db
+        .raw()
         .await
-        .unwrap();
-    assert_eq!(row.get::<_, Vec<i64>>(0), completed);
-    assert_eq!(row.get::<_, String>(1), "FAILED:true");
-    service.stop().await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn issues_added_over_http_are_claimed_waited_for_and_published_hottest_first() {
-    let db = TestDb::new().await;
-    let service = serve(&db, Some(TOKEN)).await;
-    let base = format!("http://{}", service.addr);
-    let issues = serde_json::json!([
-        {"title": "Cold", "body": "Little happened.", "score": 1.0},
-        {"title": "Hot", "body": "A lot happened. Then more.", "score": 9.0},
-        {"title": "Warm", "body": "Something happened.", "score": 5.0},
-        {"title": "Hotter", "body": "Even more happened.", "score": 9.5},
-    ]);
-    let out = run_briefing(
-        &base,
-        Some(TOKEN),
-        &["--issues-file", "-", "--top-k", "3"],
-        Some(&issues.to_string()),
-    )
-    .await;
-    let report = report(&out);
-    assert_eq!(out.status.code(), Some(0), "{report}");
-
-    let sql = db.raw().await;
-    let hottest = db
-        .ids("SELECT id FROM issue WHERE title IN ('Hotter', 'Hot', 'Warm') ORDER BY score DESC")
-        .await;
-    assert_eq!(ids(&report["targets"]), hottest, "{report}");
-    assert_eq!(report["wait"]["outcome"], "all_pass", "{report}");
-    // The wait lists them in id order; the briefing keeps the targets' order.
-    let mut in_id_order = hottest.clone();
-    in_id_order.sort_unstable();
-    assert_eq!(ids(&report["wait"]["completed"]), in_id_order);
-    let briefing_id = report["briefing"]["briefing_id"].as_i64().unwrap();
-    assert_eq!(briefings(&db).await, vec![(briefing_id, hottest.clone())]);
-    // The cold one was added but never claimed.
-    let cold: String = sql
         .query_one(
-            "SELECT processing_status FROM issue WHERE title = 'Cold'",
-            &[],
+            "SELECT processing_status FROM issue WHERE id = $1",
+            &[&untouched[0]],
         )
         .await
         .unwrap()
         .get(0);
-    assert_eq!(cold, "PENDING");
-    service.stop().await.unwrap();
-}
+    assert_eq!(status, "PENDING");
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wait_that_skips_publishes_nothing() {
-    let db = TestDb::new().await;
-    let targets = two_of_three_refused(&db).await;
-    let service = serve(&db, None).await;
-    let base = format!("http://{}", service.addr);
-    let args = wait_args(&targets);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = run_briefing(&base, None, &args, None).await;
-    let report = report(&out);
-    assert_eq!(out.status.code(), Some(3), "{report}");
-    assert_eq!(report["wait"]["outcome"], "skip", "{report}");
-    assert_eq!(ids(&report["wait"]["completed"]), vec![targets[2]]);
-    assert_eq!(ids(&report["wait"]["failed"]), vec![targets[0], targets[1]]);
-    assert_eq!(report["briefing"], Value::Null);
-    assert!(briefings(&db).await.is_empty());
-    service.stop().await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wrong_token_fails_clearly_and_changes_nothing() {
-    let db = TestDb::new().await;
-    let targets = add(&db, &[("One", 2.0), ("Two", 1.0)]).await;
-    let service = serve(&db, Some(TOKEN)).await;
-    let base = format!("http://{}", service.addr);
-    let target_args: Vec<String> = targets.iter().map(i64::to_string).collect();
-    let args: Vec<&str> = target_args.iter().map(String::as_str).collect();
-    for token in [Some("not-the-token"), None] {
-        let out = run_briefing(&base, token, &args, None).await;
-        let report = report(&out);
-        assert_eq!(out.status.code(), Some(1), "{report}");
-        assert_eq!(report["step"], "claim");
-        assert_eq!(report["status"], 401);
-        assert_eq!(report["kind"], "NewsnackUnauthorized");
-        assert_eq!(report["retryable"], false);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            stderr.contains("claim failed (HTTP 401): missing or wrong bearer token"),
-            "{stderr}"
-        );
-    }
-    // Nothing moved: both issues PENDING, only their initial transitions.
-    assert_eq!(
-        db.scalar_i64("SELECT count(*) FROM issue WHERE processing_status = 'PENDING'")
-            .await,
-        2
-    );
-    assert_eq!(
-        db.scalar_i64("SELECT count(*) FROM issue_transition").await,
-        2
-    );
-    assert!(briefings(&db).await.is_empty());
-    service.stop().await.unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_service_is_reported_as_such() {
-    // A port nobody listens on: bound, then released.
+    // An unreachable service.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let out = run_briefing(&format!("http://127.0.0.1:{port}"), None, &["1"], None).await;
-    let report = report(&out);
+    let (out, report) = run_briefing(
+        &bin,
+        &format!("http://127.0.0.1:{port}"),
+        None,
+        &["1".into()],
+    )
+    .await;
     assert_eq!(out.status.code(), Some(1), "{report}");
-    assert_eq!(report["kind"], "NewsnackUnreachable");
-    assert_eq!(report["retryable"], true);
     assert!(
         report["error"]
             .as_str()
             .unwrap()
-            .starts_with(&format!("cannot connect to http://127.0.0.1:{port}")),
+            .contains(&format!("cannot reach http://127.0.0.1:{port}")),
         "{report}"
     );
+    service.stop().await.unwrap();
 }
 
-/// Apache Airflow, pinned: the DAG is written for Airflow 3 (and 2.7+).
-const AIRFLOW: &[&str] = &["apache-airflow==3.1.8"];
-const DAGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/airflow");
+/// A DAG of bad inputs, each task on its own: every one must fail with its
+/// message and leave no trigger behind.
+const BAD_INPUT_DAG: &str = r#""""newsnack_bad_input: each task fails, with a message saying why."""
+from datetime import datetime, timezone
 
-/// Airflow's command line with a home of its own (a fresh SQLite metadata
-/// database, made by `airflow db migrate`), the example's DAGs folder, and
-/// the service's address and token for the DAG's client.
+from newsnack_provider.operators.newsnack import NewsnackWaitOperator
+
+try:
+    from airflow.sdk import DAG
+except ImportError:
+    from airflow import DAG
+
+with DAG(
+    dag_id="newsnack_bad_input",
+    schedule=None,
+    start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
+    catchup=False,
+    render_template_as_native_obj=True,
+    default_args={"retries": 0},
+):
+    ids = "{{ params.issue_ids }}"
+    NewsnackWaitOperator(task_id="unknown_connection", issue_ids=ids, newsnack_conn_id="no_such_connection")
+    NewsnackWaitOperator(task_id="wrong_token", issue_ids=ids, newsnack_conn_id="newsnack_wrong_token")
+    NewsnackWaitOperator(task_id="unknown_ids", issue_ids=[987654321], timeout_s=60)
+    NewsnackWaitOperator(task_id="timeout_over", issue_ids=ids, timeout_s=-5)
+    NewsnackWaitOperator(task_id="service_down", issue_ids=ids, timeout_s=2, newsnack_conn_id="newsnack_down")
+"#;
+
+/// What each bad-input task's log must say.
+const BAD_INPUT_MESSAGES: &[(&str, &str)] = &[
+    ("unknown_connection", "no_such_connection"),
+    (
+        "wrong_token",
+        "POST /waits failed (HTTP 401): missing or wrong bearer token",
+    ),
+    (
+        "unknown_ids",
+        "POST /waits failed (HTTP 404): unknown issue ids",
+    ),
+    (
+        "timeout_over",
+        "timeout_s must be more than 0 and at most 86400, got -5",
+    ),
+    ("service_down", "giving up"),
+];
+
+/// One Airflow 3 deployment: its home (SQLite metadata, logs, the DAGs
+/// folder with the example and [`BAD_INPUT_DAG`]) and its processes, each
+/// in a process group of its own so that killing one kills its children.
 struct Airflow {
-    bin: std::path::PathBuf,
+    bin: PathBuf,
     home: tempfile::TempDir,
-    base_url: String,
+    env: BTreeMap<String, String>,
+    processes: BTreeMap<&'static str, tokio::process::Child>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn connection(port: u16, token: &str) -> String {
+    json!({"conn_type": "newsnack", "host": "127.0.0.1", "port": port, "schema": "http", "password": token})
+        .to_string()
 }
 
 impl Airflow {
-    async fn for_service(base_url: &str) -> Airflow {
-        let bin = tokio::task::spawn_blocking(|| common::python::venv("airflow", AIRFLOW))
-            .await
-            .unwrap();
-        let airflow = Airflow {
+    async fn start(bin: PathBuf, service: &RunningService) -> Airflow {
+        let home = tempfile::tempdir().unwrap();
+        let dags = home.path().join("dags");
+        std::fs::create_dir(&dags).unwrap();
+        std::fs::copy(
+            format!("{EXAMPLE}/newsnack_daily.py"),
+            dags.join("newsnack_daily.py"),
+        )
+        .unwrap();
+        std::fs::write(dags.join("newsnack_bad_input.py"), BAD_INPUT_DAG).unwrap();
+        let api_port = free_port();
+        let port = service.addr.port();
+        let env: BTreeMap<String, String> = [
+            ("AIRFLOW_HOME", home.path().display().to_string()),
+            ("AIRFLOW__CORE__DAGS_FOLDER", dags.display().to_string()),
+            ("AIRFLOW__CORE__LOAD_EXAMPLES", "False".into()),
+            ("AIRFLOW__CORE__EXECUTOR", "LocalExecutor".into()),
+            ("AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION", "False".into()),
+            (
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL",
+                format!("http://127.0.0.1:{api_port}/execution/"),
+            ),
+            ("AIRFLOW__API__HOST", "127.0.0.1".into()),
+            ("AIRFLOW__API__PORT", api_port.to_string()),
+            (
+                "AIRFLOW__API_AUTH__JWT_SECRET",
+                "newsnack-airflow-example-jwt-secret-0123".into(),
+            ),
+            // A killed triggerer's triggers move to a live one within seconds.
+            ("AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "1".into()),
+            (
+                "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD",
+                "4".into(),
+            ),
+            ("AIRFLOW_CONN_NEWSNACK_DEFAULT", connection(port, TOKEN)),
+            (
+                "AIRFLOW_CONN_NEWSNACK_WRONG_TOKEN",
+                connection(port, "not-the-token"),
+            ),
+            ("AIRFLOW_CONN_NEWSNACK_DOWN", connection(free_port(), TOKEN)),
+            ("PYTHONDONTWRITEBYTECODE", "1".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let mut airflow = Airflow {
             bin,
-            home: tempfile::tempdir().unwrap(),
-            base_url: base_url.to_string(),
+            home,
+            env,
+            processes: BTreeMap::new(),
         };
-        let migrated = airflow.run(&["db", "migrate"]).await;
-        assert!(
-            migrated.status.success(),
-            "airflow db migrate: {}",
-            String::from_utf8_lossy(&migrated.stderr)
-        );
+        airflow.cli(&["db", "migrate"]).await;
+        for name in ["scheduler", "dag-processor", "api-server", "triggerer"] {
+            airflow.spawn(name);
+        }
+        within(300, "both DAGs parsed", async {
+            while airflow
+                .sql_i64(
+                    "SELECT count(*) FROM dag WHERE dag_id LIKE 'newsnack_%'",
+                    &[],
+                )
+                .await
+                < 2
+            {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        })
+        .await;
         airflow
     }
 
-    async fn run(&self, args: &[&str]) -> Output {
-        let mut command = tokio::process::Command::new(self.bin.join("airflow"));
+    fn command(&self, program: &str) -> tokio::process::Command {
+        let mut command = tokio::process::Command::new(self.bin.join(program));
         command
-            .args(args)
-            .env("AIRFLOW_HOME", self.home.path())
-            .env("AIRFLOW__CORE__DAGS_FOLDER", DAGS)
-            .env("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
-            .env("NEWSNACK_BASE_URL", &self.base_url)
-            .env("NEWSNACK_API_TOKEN", TOKEN)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .envs(&self.env)
+            .stdin(Stdio::null())
             .kill_on_drop(true);
-        within(300, "airflow", command.output()).await.unwrap()
+        command
     }
 
-    /// `airflow dags test newsnack_daily` with `conf`; its whole output.
-    async fn test_dag(&self, conf: &Value) -> String {
-        let out = self
-            .run(&[
-                "dags",
-                "test",
-                "newsnack_daily",
-                "--conf",
-                &conf.to_string(),
-            ])
-            .await;
+    fn spawn(&mut self, name: &'static str) {
+        let log = std::fs::File::create(self.home.path().join(format!("{name}.log"))).unwrap();
+        let child = self
+            .command("airflow")
+            .arg(name)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .expect("start an Airflow component");
+        self.processes.insert(name, child);
+    }
+
+    /// SIGKILL to `name`'s whole process group.
+    fn kill(&mut self, name: &str) {
+        if let Some(child) = self.processes.remove(name) {
+            if let Some(pid) = child.id() {
+                // SAFETY: a signal to the process group this test started.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+            }
+        }
+    }
+
+    /// `airflow args`, which must succeed.
+    async fn cli(&self, args: &[&str]) -> String {
+        let out = within(
+            300,
+            "airflow CLI",
+            self.command("airflow").args(args).output(),
+        )
+        .await
+        .unwrap();
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(out.status.success(), "airflow dags test failed:\n{text}");
-        assert!(
-            text.contains("state=success"),
-            "the DAG run succeeded:\n{text}"
-        );
+        assert!(out.status.success(), "airflow {args:?}:\n{text}");
         text
+    }
+
+    /// The rows of `query` on the metadata database, as JSON arrays.
+    async fn sql(&self, query: &str, params: &[&str]) -> Vec<Value> {
+        let script = "import json, sqlite3, sys\nc = sqlite3.connect(sys.argv[1], timeout=30)\nprint(json.dumps(c.execute(sys.argv[2], sys.argv[3:]).fetchall()))";
+        let out = self
+            .command("python")
+            .arg("-c")
+            .arg(script)
+            .arg(self.home.path().join("airflow.db"))
+            .arg(query)
+            .args(params)
+            .output();
+        let out = within(60, "a metadata query", out).await.unwrap();
+        let rows: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("{query}: {}", String::from_utf8_lossy(&out.stderr)));
+        rows.as_array().unwrap().clone()
+    }
+
+    async fn sql_i64(&self, query: &str, params: &[&str]) -> i64 {
+        self.sql(query, params)
+            .await
+            .first()
+            .and_then(|r| r[0].as_i64())
+            .unwrap_or(0)
+    }
+
+    async fn task_state(&self, run_id: &str, task: &str) -> Option<String> {
+        let rows = self
+            .sql(
+                "SELECT state FROM task_instance WHERE run_id = ? AND task_id = ?",
+                &[run_id, task],
+            )
+            .await;
+        rows.first().and_then(|r| r[0].as_str()).map(str::to_string)
+    }
+
+    /// Triggers `dag` as `run_id` with `conf`.
+    async fn trigger(&self, dag: &str, run_id: &str, conf: &Value) {
+        self.cli(&[
+            "dags",
+            "trigger",
+            dag,
+            "--run-id",
+            run_id,
+            "--conf",
+            &conf.to_string(),
+        ])
+        .await;
+    }
+
+    /// Waits until `task` of `run_id` is in `state`.
+    async fn until_task(&self, run_id: &str, task: &str, state: &str, secs: u64) {
+        within(secs, &format!("{task} {state}"), async {
+            while self.task_state(run_id, task).await.as_deref() != Some(state) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await;
+    }
+
+    /// Waits until `run_id` ends; its state and each task's.
+    async fn finished(&self, run_id: &str, secs: u64) -> (String, BTreeMap<String, String>) {
+        let state = within(secs, &format!("run {run_id} to end"), async {
+            loop {
+                let rows = self
+                    .sql("SELECT state FROM dag_run WHERE run_id = ?", &[run_id])
+                    .await;
+                match rows.first().and_then(|r| r[0].as_str()) {
+                    Some(s @ ("success" | "failed")) => return s.to_string(),
+                    _ => tokio::time::sleep(Duration::from_millis(300)).await,
+                }
+            }
+        })
+        .await;
+        let tasks = self
+            .sql(
+                "SELECT task_id, state FROM task_instance WHERE run_id = ?",
+                &[run_id],
+            )
+            .await
+            .iter()
+            .map(|r| {
+                (
+                    r[0].as_str().unwrap().to_string(),
+                    r[1].as_str().unwrap_or("none").to_string(),
+                )
+            })
+            .collect();
+        (state, tasks)
+    }
+
+    /// The XCom `key` of `task` in `run_id`.
+    async fn xcom(&self, run_id: &str, task: &str, key: &str) -> Value {
+        let rows = self
+            .sql(
+                "SELECT value FROM xcom WHERE run_id = ? AND task_id = ? AND key = ?",
+                &[run_id, task, key],
+            )
+            .await;
+        let text = rows
+            .first()
+            .and_then(|r| r[0].as_str())
+            .unwrap_or("null")
+            .to_string();
+        serde_json::from_str(&text).unwrap_or(Value::String(text))
+    }
+
+    /// Everything `task` of `run_id` logged (its attempts and triggers).
+    fn task_log(&self, dag: &str, run_id: &str, task: &str) -> String {
+        let dir = self
+            .home
+            .path()
+            .join(format!("logs/dag_id={dag}/run_id={run_id}/task_id={task}"));
+        let mut text = String::new();
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            text.push_str(&std::fs::read_to_string(entry.unwrap().path()).unwrap_or_default());
+        }
+        text
+    }
+
+    /// Diagnostics for a failed assertion: each component's log tail.
+    fn logs(&self) -> String {
+        ["scheduler", "triggerer", "api-server", "dag-processor"]
+            .iter()
+            .map(|name| {
+                let text = std::fs::read_to_string(self.home.path().join(format!("{name}.log")))
+                    .unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                format!(
+                    "== {name}\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 }
 
-/// Runs the DAG once in Airflow against `service` for `targets` (2 of
-/// them to complete within 120 s): its output, the tasks it started, and
-/// why it skipped those it skipped.
-async fn dag_run(service: &RunningService, targets: &[i64]) -> (String, Vec<String>, Vec<String>) {
-    let airflow = Airflow::for_service(&format!("http://{}", service.addr)).await;
-    let output = airflow
-        .test_dag(&serde_json::json!({
-            "issue_ids": targets, "min_completion": 2, "timeout_s": 120,
-        }))
-        .await;
-    let (started, skipped) = tasks_run_and_skipped(&output);
-    (output, started, skipped)
+impl Drop for Airflow {
+    fn drop(&mut self) {
+        let names: Vec<&'static str> = self.processes.keys().copied().collect();
+        for name in names {
+            self.kill(name);
+        }
+    }
 }
 
-/// The tasks that `airflow dags test` reports as started, and the reasons
-/// of those it skipped.
-fn tasks_run_and_skipped(output: &str) -> (Vec<String>, Vec<String>) {
-    let started = output
-        .lines()
-        .filter_map(|l| l.split("[DAG TEST] starting task_id=").nth(1))
-        .filter_map(|rest| rest.split_whitespace().next())
-        .map(str::to_string)
-        .collect();
-    let skipped = output
-        .lines()
-        .filter(|l| l.contains("Skipping task."))
-        .filter_map(|l| l.split("reason=").nth(1))
-        .map(str::to_string)
-        .collect();
-    (started, skipped)
+fn parse_time(value: &Value) -> time::OffsetDateTime {
+    time::OffsetDateTime::parse(
+        value.as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap_or_else(|e| panic!("{value}: {e}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dag_runs_in_airflow_and_publishes_exactly_the_completed_ids() {
+async fn the_dag_defers_survives_a_killed_triggerer_and_fails_bad_input_clearly_in_airflow_3() {
+    let bin = provider_venv("airflow3-provider", AIRFLOW_3).await;
     let db = TestDb::new().await;
-    let targets = four_stories_one_refused(&db).await;
-    let service = serve(&db, Some(TOKEN)).await;
-    let (output, started, skipped) = dag_run(&service, &targets).await;
-    assert_eq!(
-        started,
-        [
-            "select_target_issues",
-            "request_articles",
-            "wait_for_completion",
-            "assemble_today_newsnack"
-        ],
-        "{output}"
-    );
-    assert!(skipped.is_empty(), "{skipped:?}");
-    // One target failed for good; the briefing holds the other three, in
-    // target order, and nothing else was published.
-    let expected = vec![targets[0], targets[2], targets[3]];
-    let published = briefings(&db).await;
-    assert_eq!(published.len(), 1, "{published:?}");
-    assert_eq!(published[0].1, expected);
-    let done = db
-        .ids("SELECT id FROM issue WHERE processing_status = 'DONE' ORDER BY score DESC")
+    let llm = slow_llm().await;
+    let service = serve(&db, &llm).await;
+    let mut airflow = Airflow::start(bin, &service).await;
+
+    // 1. The wait is deferred while the articles are written; the briefing
+    //    holds exactly the completed ids.
+    let targets = add(&db, &["Hottest", "refuse: not this one", "Third", "Fourth"]).await;
+    let conf = json!({"issue_ids": targets, "min_completion": 2, "timeout_s": 120});
+    airflow.trigger("newsnack_daily", "partial", &conf).await;
+    airflow
+        .until_task("partial", "wait_for_completion", "deferred", 180)
         .await;
-    assert_eq!(done, expected, "exactly the completed ids");
+    let (state, tasks) = airflow.finished("partial", 180).await;
+    assert_eq!(state, "success", "{tasks:?}\n{}", airflow.logs());
+    assert!(tasks.values().all(|s| s == "success"), "{tasks:?}");
+    let expected = vec![targets[0], targets[2], targets[3]];
+    assert_eq!(
+        ids(&airflow
+            .xcom("partial", "wait_for_completion", "return_value")
+            .await["completed"]),
+        expected
+    );
+    assert_eq!(briefings(&db).await, vec![expected.clone()]);
+
+    // 2. The triggerer is killed mid-wait and started again: the wait ends
+    //    at its original deadline with timeout_pass (one written, one stuck).
+    let pair = add(&db, &["Quick", "stuck: the model never answers"]).await;
+    let conf = json!({"issue_ids": pair, "min_completion": 1, "timeout_s": 30});
+    airflow.trigger("newsnack_daily", "restarted", &conf).await;
+    airflow
+        .until_task("restarted", "wait_for_completion", "deferred", 180)
+        .await;
+    within(60, "the trigger to run", async {
+        while airflow
+            .sql_i64(
+                "SELECT count(*) FROM trigger WHERE triggerer_id IS NOT NULL",
+                &[],
+            )
+            .await
+            < 1
+        {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    airflow.kill("triggerer");
+    airflow.spawn("triggerer");
+    let (state, tasks) = airflow.finished("restarted", 180).await;
+    assert_eq!(state, "success", "{tasks:?}\n{}", airflow.logs());
+    let decision = airflow
+        .xcom("restarted", "wait_for_completion", "wait_decision")
+        .await;
+    let late = parse_time(&decision["answered_at"]) - parse_time(&decision["deadline"]);
+    assert!(
+        late >= time::Duration::ZERO && late < time::Duration::seconds(1),
+        "answered {late} after the original deadline: {decision}"
+    );
+    let wait = airflow
+        .xcom("restarted", "wait_for_completion", "return_value")
+        .await;
+    assert_eq!(wait["outcome"], "timeout_pass", "{wait}");
+    assert_eq!(ids(&wait["completed"]), vec![pair[0]]);
+    assert_eq!(briefings(&db).await.last(), Some(&vec![pair[0]]));
+    let log = airflow.task_log("newsnack_daily", "restarted", "wait_for_completion");
+    assert!(log.contains("deferring the wait"), "{log}");
+
+    // 3. A skip skips the briefing; and bad input, at the same time.
+    let skipping = add(&db, &["refuse one", "refuse two", "Fine"]).await;
+    airflow
+        .trigger(
+            "newsnack_daily",
+            "skipping",
+            &json!({"issue_ids": skipping, "min_completion": 2, "timeout_s": 120}),
+        )
+        .await;
+    let pending = add(&db, &["Never claimed"]).await;
+    airflow
+        .trigger("newsnack_bad_input", "bad", &json!({"issue_ids": pending}))
+        .await;
+    let (state, tasks) = airflow.finished("skipping", 180).await;
+    assert_eq!(state, "success", "{tasks:?}\n{}", airflow.logs());
+    assert_eq!(tasks["wait_for_completion"], "skipped");
+    assert_eq!(tasks["assemble_today_newsnack"], "skipped");
+    let log = airflow.task_log("newsnack_daily", "skipping", "wait_for_completion");
+    assert!(
+        log.contains("skip: 1 of 3 DONE, fewer than the minimum"),
+        "{log}"
+    );
+    assert_eq!(briefings(&db).await.len(), 2);
+
+    let (state, tasks) = airflow.finished("bad", 180).await;
+    assert_eq!(state, "failed");
+    for (task, message) in BAD_INPUT_MESSAGES {
+        assert_eq!(tasks[*task], "failed", "{task}: {tasks:?}");
+        let log = airflow.task_log("newsnack_bad_input", "bad", task);
+        assert!(
+            log.contains(message),
+            "{task} should say {message:?}:\n{log}"
+        );
+    }
+    assert_eq!(
+        airflow.sql_i64("SELECT count(*) FROM trigger", &[]).await,
+        0,
+        "no trigger left"
+    );
+    drop(airflow);
     service.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_skipping_wait_skips_the_briefing_in_airflow() {
+async fn the_same_dag_runs_on_airflow_2_10() {
+    let bin = provider_venv("airflow2-provider", AIRFLOW_2).await;
     let db = TestDb::new().await;
-    let targets = two_of_three_refused(&db).await;
-    let service = serve(&db, Some(TOKEN)).await;
-    let (output, started, skipped) = dag_run(&service, &targets).await;
-    assert_eq!(
-        started,
-        [
-            "select_target_issues",
-            "request_articles",
-            "wait_for_completion"
-        ],
-        "the briefing task never starts:\n{output}"
-    );
-    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    let llm = slow_llm().await;
+    let service = serve(&db, &llm).await;
+    let targets = add(&db, &["Hottest", "refuse: not this one", "Third"]).await;
+    let home = tempfile::tempdir().unwrap();
+    let run = |args: Vec<String>| {
+        let mut command = tokio::process::Command::new(bin.join("airflow"));
+        command
+            .args(args)
+            .env("AIRFLOW_HOME", home.path())
+            .env("AIRFLOW__CORE__DAGS_FOLDER", EXAMPLE)
+            .env("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+            .env(
+                "AIRFLOW_CONN_NEWSNACK_DEFAULT",
+                connection(service.addr.port(), TOKEN),
+            )
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        async move {
+            let out = within(300, "airflow 2.10", command.output()).await.unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "{text}");
+            text
+        }
+    };
+    run(vec!["db".into(), "migrate".into()]).await;
+    let conf = json!({"issue_ids": targets, "min_completion": 1, "timeout_s": 120});
+    let text = run(vec![
+        "dags".into(),
+        "test".into(),
+        "newsnack_daily".into(),
+        "--conf".into(),
+        conf.to_string(),
+    ])
+    .await;
     assert!(
-        skipped[0].contains("skip: 1 of 3 DONE, fewer than the minimum"),
-        "{skipped:?}"
+        text.contains("state=success") || text.contains("DagRun Finished"),
+        "{text}"
     );
-    assert!(briefings(&db).await.is_empty());
+    assert_eq!(
+        briefings(&db).await,
+        vec![vec![targets[0], targets[2]]],
+        "{text}"
+    );
     service.stop().await.unwrap();
 }
