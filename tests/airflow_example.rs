@@ -36,8 +36,11 @@ use serde_json::{json, Value};
 const TOKEN: &str = "airflow-example-token-93c1";
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/airflow");
 const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
-/// How long the fake LLM takes to write an article.
-const WRITING: Duration = Duration::from_secs(4);
+/// How long the fake LLM takes to write an article: long enough that the
+/// wait task has deferred, and its worker has exited, before the outcome
+/// is decided (a trigger firing while the deferring worker is still
+/// exiting meets a race in Airflow's LocalExecutor on a loaded machine).
+const WRITING: Duration = Duration::from_secs(20);
 
 /// The fake LLM: slow articles; none for issues titled `stuck` (it never
 /// answers) or `refuse` (400, a failure for good).
@@ -606,7 +609,7 @@ async fn the_dag_defers_survives_a_killed_triggerer_and_fails_bad_input_clearly_
     // 2. The triggerer is killed mid-wait and started again: the wait ends
     //    at its original deadline with timeout_pass (one written, one stuck).
     let pair = add(&db, &["Quick", "stuck: the model never answers"]).await;
-    let conf = json!({"issue_ids": pair, "min_completion": 1, "timeout_s": 30});
+    let conf = json!({"issue_ids": pair, "min_completion": 1, "timeout_s": 40});
     airflow.trigger("newsnack_daily", "restarted", &conf).await;
     airflow
         .until_task("restarted", "wait_for_completion", "deferred", 180)
