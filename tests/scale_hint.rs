@@ -1,7 +1,8 @@
 //! `newsnack_scale_hint(per_pod)` (migration 32), the number KEDA's
 //! PostgreSQL scaler reads: the work ready to claim and in flight, in pods
 //! of `per_pod` issues, capped by the pods the shared LLM budget keeps
-//! busy, at least 1, and 1 while the day's token budget is spent. The same
+//! busy, at least 1, and 1 while generation is paused or the day's token
+//! budget is spent. The same
 //! checks run against a variant that counts the backlog (every
 //! unfinished row, no cap), and must catch it. Its cost at a million
 //! issues is measured by `cargo bench --bench flat_costs`.
@@ -76,6 +77,10 @@ async fn check(db: &TestDb) -> Result<(), String> {
         hint(db, 100).await.unwrap(),
         1,
     )?;
+
+    db.set("generation_paused", "true").await;
+    expect("generation paused", hint(db, 4).await.unwrap(), 1)?;
+    db.set("generation_paused", "false").await;
 
     db.set("llm_daily_token_budget", "1000").await;
     expect(
