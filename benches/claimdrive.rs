@@ -38,7 +38,10 @@
 
 mod common;
 
-use common::{connect, knob, migrate_with, round1, round3, start_cluster, stop, wait_ready};
+use common::{
+    connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, round1, round3,
+    start_cluster, stop, wait_ready,
+};
 
 use std::collections::HashMap;
 use std::net::TcpListener;
@@ -413,69 +416,6 @@ fn median(v: &[f64]) -> f64 {
         n if n % 2 == 1 => v[n / 2],
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
-}
-
-/// User and system CPU seconds of one process (`/proc/PID/stat`), with
-/// those of its children that have ended if `children`.
-fn cpu_of(pid: u32, children: bool) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command's closing parenthesis: state is field 3;
-    // utime, stime, cutime, cstime are fields 14 to 17.
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<f64> = rest
-        .split(' ')
-        .skip(11)
-        .take(4)
-        .map(|x| x.parse().unwrap_or(0.0))
-        .collect();
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let sum = if children {
-        f.iter().sum()
-    } else {
-        f[0] + f[1]
-    };
-    sum / ticks
-}
-
-fn process_cpu_seconds(pid: u32) -> f64 {
-    cpu_of(pid, false)
-}
-
-/// The CPU seconds of the cluster's processes: the postmaster with every
-/// child that has ended (backends end with their sessions), plus those
-/// still running (the background processes).
-fn postgres_cpu_seconds(cluster: &EmbeddedPostgres) -> f64 {
-    let pid_file = cluster.dir().unwrap().join("data").join("postmaster.pid");
-    let postmaster: u32 = std::fs::read_to_string(pid_file)
-        .unwrap()
-        .lines()
-        .next()
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let mut total = cpu_of(postmaster, true);
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let rest = &stat[stat.rfind(')').unwrap_or(0) + 2..];
-        let ppid: u32 = rest
-            .split(' ')
-            .nth(1)
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
-        if ppid == postmaster {
-            total += cpu_of(pid, false);
-        }
-    }
-    total
 }
 
 /// The statements and functions that took the server's time in this run's

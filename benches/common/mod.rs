@@ -1,7 +1,8 @@
 //! Helpers every benchmark shares: knobs from the environment, a throwaway
 //! cluster and its databases, a plain connection, a service's options, a
 //! `newsnack serve` process waited for and stopped, the claim workload,
-//! and rounding for the JSON reports.
+//! the CPU seconds of processes and of a cluster, and rounding for the
+//! JSON reports.
 #![allow(dead_code)]
 
 use std::process::{Command, Stdio};
@@ -229,4 +230,68 @@ pub fn average_in_flight(changes: &[(Instant, u64)], from: Instant, to: Instant)
     }
     area += level as f64 * (to - at).as_secs_f64();
     area / (to - from).as_secs_f64()
+}
+
+/// User and system CPU seconds of one process (`/proc/PID/stat`), with
+/// those of its children that have ended if `children`.
+pub fn cpu_of(pid: u32, children: bool) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command's closing parenthesis: state is field 3;
+    // utime, stime, cutime, cstime are fields 14 to 17.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<f64> = rest
+        .split(' ')
+        .skip(11)
+        .take(4)
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let sum = if children {
+        f.iter().sum()
+    } else {
+        f[0] + f[1]
+    };
+    sum / ticks
+}
+
+/// User and system CPU seconds of one running process.
+pub fn process_cpu_seconds(pid: u32) -> f64 {
+    cpu_of(pid, false)
+}
+
+/// The CPU seconds of the cluster's processes: the postmaster with every
+/// child that has ended (backends end with their sessions), plus those
+/// still running (the background processes).
+pub fn postgres_cpu_seconds(cluster: &EmbeddedPostgres) -> f64 {
+    let pid_file = cluster.dir().unwrap().join("data").join("postmaster.pid");
+    let postmaster: u32 = std::fs::read_to_string(pid_file)
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let mut total = cpu_of(postmaster, true);
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let rest = &stat[stat.rfind(')').unwrap_or(0) + 2..];
+        let ppid: u32 = rest
+            .split(' ')
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if ppid == postmaster {
+            total += cpu_of(pid, false);
+        }
+    }
+    total
 }
