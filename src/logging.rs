@@ -2,7 +2,8 @@
 //! go there.
 //!
 //! Logs go to stderr (`RUST_LOG` picks levels, `NEWSNACK_LOG_FORMAT=json`
-//! switches to JSON lines); the few status lines the long-running commands
+//! switches to JSON lines, which carry `trace_id` and `span_id` when
+//! traces are exported); the few status lines the long-running commands
 //! print (where `serve` listens, a warning of `tail`) go to stdout or
 //! stderr. A destination that fails — a pipe whose reader went away (a log
 //! shipper restarting), a full disk — loses those lines, counted in
@@ -15,8 +16,11 @@
 
 use std::io::Write;
 
-use tracing_subscriber::fmt::MakeWriter;
+use tracing::{Event, Subscriber};
+use tracing_subscriber::fmt::format::{JsonFields, Writer};
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
@@ -33,7 +37,10 @@ pub fn init(default: &str, export: Option<&Export>) {
         .log_internal_errors(false);
     let lines =
         if std::env::var("NEWSNACK_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
-            lines.json().boxed()
+            lines
+                .fmt_fields(JsonFields::new())
+                .event_format(WithTraceIds(tracing_subscriber::fmt::format().json()))
+                .boxed()
         } else {
             lines.boxed()
         };
@@ -42,6 +49,47 @@ pub fn init(default: &str, export: Option<&Export>) {
         .with(export.map(|e| e.layer()))
         .with(lines)
         .init();
+}
+
+/// A JSON line format that adds the current span's `trace_id` and
+/// `span_id` (when spans are exported, [`crate::telemetry`]) to the
+/// object `F` writes.
+struct WithTraceIds<F>(F);
+
+impl<S, N, F> FormatEvent<S, N> for WithTraceIds<F>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        let ids = ctx.lookup_current().and_then(|span| {
+            let extensions = span.extensions();
+            let data = extensions.get::<tracing_opentelemetry::OtelData>()?;
+            Some((data.trace_id()?, data.span_id()?))
+        });
+        let Some((trace_id, span_id)) = ids else {
+            return self.0.format_event(ctx, writer, event);
+        };
+        let mut line = String::new();
+        self.0.format_event(ctx, Writer::new(&mut line), event)?;
+        match line.rfind('}') {
+            Some(end) => {
+                writer.write_str(&line[..end])?;
+                write!(
+                    writer,
+                    ",\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\""
+                )?;
+                writer.write_str(&line[end..])
+            }
+            None => writer.write_str(&line),
+        }
+    }
 }
 
 /// Makes one [`LossyLine`] per log event: stderr, whose failures are

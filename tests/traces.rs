@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::process::ServeProcess;
+use common::process::{Output, ServeProcess};
 use common::{until_sql_polled, within, TestDb};
 use serde_json::{json, Value};
 
@@ -203,8 +203,8 @@ fn trace_of(traceparent: &str) -> &str {
     &traceparent[3..35]
 }
 
-fn serve(db: &TestDb, name: &str, llm: &FakeLlm, endpoint: &str) -> ServeProcess {
-    let env = [
+fn otel_env<'a>(llm: &'a FakeLlm, endpoint: &'a str) -> [(&'a str, &'a str); 7] {
+    [
         ("NEWSNACK_LLM_URL", llm.url.as_str()),
         ("NEWSNACK_LLM_MODEL", MODEL),
         ("RUST_LOG", "warn,newsnack=info"),
@@ -212,7 +212,11 @@ fn serve(db: &TestDb, name: &str, llm: &FakeLlm, endpoint: &str) -> ServeProcess
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000"),
-    ];
+    ]
+}
+
+fn serve(db: &TestDb, name: &str, llm: &FakeLlm, endpoint: &str) -> ServeProcess {
+    let env = otel_env(llm, endpoint);
     tokio::task::block_in_place(|| ServeProcess::spawn(&db.url, name, &env))
 }
 
@@ -412,9 +416,14 @@ async fn a_callers_trace_runs_through_the_database_into_the_generation_and_its_l
 async fn a_receiver_that_is_not_there_changes_no_answer_and_is_counted() {
     let db = TestDb::new().await;
     let llm = usage_llm().await;
-    // A port nothing listens on.
+    // A port nothing listens on; JSON log lines into a file.
     let nowhere = format!("http://{}", free_port());
-    let service = serve(&db, "untraced", &llm, &nowhere);
+    let logs = tempfile::NamedTempFile::new().unwrap();
+    let mut env = otel_env(&llm, &nowhere).to_vec();
+    env.push(("NEWSNACK_LOG_FORMAT", "json"));
+    let service = tokio::task::block_in_place(|| {
+        ServeProcess::spawn_writing_to(&db.url, "untraced", &env, Output::File(logs.path()))
+    });
     let base = service.base_url();
     let http = reqwest::Client::new();
     let caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -467,4 +476,20 @@ async fn a_receiver_that_is_not_there_changes_no_answer_and_is_counted() {
         }
     })
     .await;
+
+    // The request's log line names the caller's trace and the request's span.
+    let text = std::fs::read_to_string(logs.path()).unwrap();
+    let answered: Vec<Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["fields"]["message"] == "answered" && l["span"]["path"] == "/issues")
+        .collect();
+    assert_eq!(answered.len(), 1, "{text}");
+    assert_eq!(answered[0]["trace_id"], trace_of(caller), "{}", answered[0]);
+    assert_eq!(
+        answered[0]["span_id"].as_str().map(str::len),
+        Some(16),
+        "{}",
+        answered[0]
+    );
 }
