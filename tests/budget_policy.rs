@@ -193,17 +193,24 @@ async fn decide(client: &mut tokio_postgres::Client, row: &Row, has_fallback: bo
     }
 }
 
-#[tokio::test]
-async fn the_grant_policy_as_a_table() {
+/// The rows of `table` the policy decides otherwise, for a holder with a
+/// fallback provider or not.
+async fn disagreements(table: &[Row], has_fallback: bool) -> Vec<String> {
     let db = TestDb::new().await;
     let mut client = db.raw().await;
     let mut wrong = Vec::new();
-    for row in POLICY {
-        let outcome = decide(&mut client, row, true).await;
+    for row in table {
+        let outcome = decide(&mut client, row, has_fallback).await;
         if outcome != row.6 {
             wrong.push(format!("{row:?}: got {outcome:?}"));
         }
     }
+    wrong
+}
+
+#[tokio::test]
+async fn the_grant_policy_as_a_table() {
+    let wrong = disagreements(POLICY, true).await;
     assert!(
         wrong.is_empty(),
         "rows the policy decides otherwise:\n{}",
@@ -224,15 +231,7 @@ const WITHOUT_A_FALLBACK: &[Row] = &[
 
 #[tokio::test]
 async fn without_a_fallback_nothing_is_routed_and_failures_are_retried() {
-    let db = TestDb::new().await;
-    let mut client = db.raw().await;
-    let mut wrong = Vec::new();
-    for row in WITHOUT_A_FALLBACK {
-        let outcome = decide(&mut client, row, false).await;
-        if outcome != row.6 {
-            wrong.push(format!("{row:?}: got {outcome:?}"));
-        }
-    }
+    let wrong = disagreements(WITHOUT_A_FALLBACK, false).await;
     assert!(
         wrong.is_empty(),
         "rows the policy decides otherwise:\n{}",
