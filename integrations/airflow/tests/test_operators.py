@@ -6,8 +6,8 @@ bad connection or token failing clearly."""
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Dict, List
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 
@@ -15,6 +15,7 @@ from conftest import TaskDeferred
 from newsnack_provider._compat import AirflowException, AirflowSkipException
 from newsnack_provider.api import Service, parse_rfc3339
 from newsnack_provider.operators.newsnack import (
+    CLAIMED_AT_XCOM,
     NewsnackBriefingOperator,
     NewsnackClaimOperator,
     NewsnackWaitOperator,
@@ -51,6 +52,45 @@ def test_the_wait_defers_with_an_absolute_deadline(connection: Callable[..., str
     assert trigger.newsnack_conn_id == "newsnack_default"
     ahead = (parse_rfc3339(trigger.deadline) - before).total_seconds()
     assert 89 < ahead < 92, ahead
+
+
+class TaskInstanceXComs:
+    """The XCom half of a task instance, kept across a task's tries as
+    Airflow keeps upstream steps' XComs when a task is retried."""
+
+    def __init__(self) -> None:
+        self.pushed: Dict[tuple[str, str], Any] = {}
+        self.task_id = ""
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.pushed[(self.task_id, key)] = value
+
+    def xcom_pull(self, task_ids: List[str], key: str) -> List[Optional[Any]]:
+        return [self.pushed.get((task_id, key)) for task_id in task_ids]
+
+
+def test_a_retried_wait_keeps_the_deadline_the_claim_started(
+    service: Service, add_issues: Callable[..., List[int]], connection: Callable[..., str]
+) -> None:
+    ids = add_issues("First", "Second")
+    conn_id = connection()
+    ti = TaskInstanceXComs()
+    ti.task_id = "claim"
+    claim = NewsnackClaimOperator(task_id="claim", issue_ids=ids, newsnack_conn_id=conn_id).execute({"ti": ti})
+    claimed_at = parse_rfc3339(ti.pushed[("claim", CLAIMED_AT_XCOM)])
+    assert abs((datetime.now(timezone.utc) - claimed_at).total_seconds()) < 5
+    # The wait's tries come later: as if the claim had answered 30 s ago.
+    claimed_at -= timedelta(seconds=30)
+    ti.pushed[("claim", CLAIMED_AT_XCOM)] = claimed_at.isoformat()
+    ti.task_id = "wait"
+    deadlines = []
+    for _try in range(2):  # the first try, then a retry
+        wait = NewsnackWaitOperator(task_id="wait", issue_ids=claim, timeout_s=90, newsnack_conn_id=conn_id)
+        wait.upstream_task_ids.add("claim")
+        with pytest.raises(TaskDeferred) as deferred:
+            wait.execute({"ti": ti})
+        deadlines.append(parse_rfc3339(deferred.value.trigger.deadline))
+    assert deadlines == [claimed_at + timedelta(seconds=90)] * 2
 
 
 def test_execute_complete_maps_each_outcome() -> None:

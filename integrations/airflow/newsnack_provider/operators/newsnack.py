@@ -6,7 +6,10 @@ step's JSON: the claim's (its ``claimed`` ids) or the wait's (its
 through the connection ``newsnack_conn_id`` (:class:`NewsnackHook`).
 
 ``NewsnackWaitOperator`` defers to :class:`NewsnackWaitTrigger` by default,
-with a deadline computed once, when it first defers; ``deferrable=False``
+with an absolute deadline: `timeout_s` after the upstream claim step
+answered (it records when under the XCom key :data:`CLAIMED_AT_XCOM`), so a
+retried wait task keeps the first try's deadline; with no claim step
+upstream, `timeout_s` after the task first defers. ``deferrable=False``
 sends one blocking ``POST /waits`` from the worker instead. ``all_pass`` and
 ``timeout_pass`` return the wait's JSON (its ``completed`` ids go on to the
 briefing; a deferred wait also records its deadline and when the service
@@ -21,7 +24,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from newsnack_provider._compat import AirflowException, AirflowSkipException, BaseOperator, Context
-from newsnack_provider.api import NewsnackError, rfc3339
+from newsnack_provider.api import NewsnackError, parse_rfc3339, rfc3339
 from newsnack_provider.hooks.newsnack import NewsnackHook
 from newsnack_provider.triggers.newsnack import GIVE_UP_AFTER_S, NewsnackWaitTrigger
 
@@ -32,6 +35,9 @@ DEFAULT_TIMEOUT_S = 600.0
 #: The XCom key under which a deferred wait records its deadline and
 #: when the service answered.
 DECISION_XCOM = "wait_decision"
+#: The XCom key under which the claim step records when the service
+#: answered it: the anchor of the wait's deadline.
+CLAIMED_AT_XCOM = "claimed_at"
 #: The longest wait the service accepts.
 MAX_TIMEOUT_S = 86_400.0
 
@@ -101,6 +107,9 @@ class NewsnackClaimOperator(BaseOperator):
         hook = NewsnackHook(self.newsnack_conn_id)
         claim = _service_call("claim", lambda: hook.claim(ids, self.priority))
         self.log.info("claimed %s, skipped %s", claim.get("claimed"), claim.get("skipped"))
+        ti = context.get("ti")
+        if ti is not None:
+            ti.xcom_push(key=CLAIMED_AT_XCOM, value=rfc3339(datetime.now(timezone.utc)))
         return claim
 
 
@@ -143,8 +152,12 @@ class NewsnackWaitOperator(BaseOperator):
             report = _service_call("wait", lambda: service.wait(ids, self.timeout_s, self.min_completion))
             return self.decided(report, len(ids))
         timeout_s = self.timeout_s if self.timeout_s is not None else DEFAULT_TIMEOUT_S
-        deadline = datetime.now(timezone.utc) + timedelta(seconds=timeout_s)
-        self.log.info("deferring the wait on %s until %s", ids, rfc3339(deadline))
+        claimed_at = self.claimed_at(context)
+        deadline = (claimed_at or datetime.now(timezone.utc)) + timedelta(seconds=timeout_s)
+        self.log.info(
+            "deferring the wait on %s until %s (%s)",
+            ids, rfc3339(deadline), f"claimed at {rfc3339(claimed_at)}" if claimed_at else "from now",
+        )
         self.defer(
             trigger=NewsnackWaitTrigger(
                 issue_ids=ids,
@@ -157,6 +170,25 @@ class NewsnackWaitOperator(BaseOperator):
             timeout=timedelta(seconds=timeout_s + GIVE_UP_AFTER_S + 60),
         )
         return None
+
+    def claimed_at(self, context: Context) -> Optional[datetime]:
+        """When the latest upstream claim step was answered, if the wait
+        follows one: it stays the same across the wait task's tries, where
+        the moment a try defers does not."""
+        ti = context.get("ti")
+        upstream = sorted(getattr(self, "upstream_task_ids", ()) or ())
+        if ti is None or not upstream:
+            return None
+        pulled = ti.xcom_pull(task_ids=upstream, key=CLAIMED_AT_XCOM)
+        values = pulled if isinstance(pulled, (list, tuple)) else [pulled]
+        moments = []
+        for value in values:
+            if isinstance(value, str):
+                try:
+                    moments.append(parse_rfc3339(value))
+                except ValueError:
+                    self.log.warning("ignoring an unreadable %s: %r", CLAIMED_AT_XCOM, value)
+        return max(moments, default=None)
 
     def execute_complete(self, context: Context, event: Dict[str, Any]) -> Dict[str, Any]:
         """The trigger's event, mapped as the module docs say."""
