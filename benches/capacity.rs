@@ -23,7 +23,7 @@ mod common;
 
 use common::{
     connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, round1, round3,
-    start_cluster, stop, wait_ready,
+    start_cluster, stop, until_all_done, wait_ready,
 };
 
 use std::collections::BTreeMap;
@@ -128,25 +128,7 @@ async fn main() {
             .await
             .unwrap();
 
-        let deadline = Instant::now() + Duration::from_secs(300);
-        loop {
-            let done: i64 = db
-                .query_one(
-                    "SELECT count(*) FROM issue WHERE processing_status = 'DONE'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if done as usize == issues {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "only {done} of {issues} issues DONE"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        until_all_done(&db, issues, Duration::from_secs(300)).await;
         let db_cpu = postgres_cpu_seconds(&cluster) - db_cpu_before;
         let serve_cpu: Vec<f64> = serves
             .iter()

@@ -40,7 +40,7 @@ mod common;
 
 use common::{
     connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, round1, round3,
-    start_cluster, stop, wait_ready,
+    start_cluster, stop, until_all_done, wait_ready,
 };
 
 use std::collections::HashMap;
@@ -240,25 +240,7 @@ async fn one_run(
     };
 
     // Every issue DONE: the writer finishes what was claimed.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let done: i64 = db
-            .query_one(
-                "SELECT count(*) FROM issue WHERE processing_status = 'DONE'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if done as usize == issues {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "only {done} of {issues} issues DONE 120 s after the last request"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_all_done(&db, issues, Duration::from_secs(120)).await;
     let serve_cpu = process_cpu_seconds(serve.id()) - serve_cpu_before;
     stop(&mut serve);
     let db_cpu = postgres_cpu_seconds(cluster) - db_cpu_before;

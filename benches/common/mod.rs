@@ -1,8 +1,8 @@
 //! Helpers every benchmark shares: knobs from the environment, a throwaway
 //! cluster and its databases, a plain connection, a service's options, a
 //! `newsnack serve` process waited for and stopped, the claim workload,
-//! the CPU seconds of processes and of a cluster, and rounding for the
-//! JSON reports.
+//! the wait for every issue `DONE`, the CPU seconds of processes and of a
+//! cluster, and rounding for the JSON reports.
 #![allow(dead_code)]
 
 use std::process::{Command, Stdio};
@@ -15,6 +15,30 @@ use newsnack::db::issue::{claim_issues, ClaimScope, NewIssue};
 use newsnack::db::DbPool;
 use newsnack::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use newsnack::serve::ServeOptions;
+
+/// Waits until all `issues` of the database are `DONE`: the writer
+/// finishes what the driver claimed. Fails after `within`.
+pub async fn until_all_done(db: &tokio_postgres::Client, issues: usize, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let done: i64 = db
+            .query_one(
+                "SELECT count(*) FROM issue WHERE processing_status = 'DONE'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if done as usize == issues {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {done} of {issues} issues DONE after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 /// A numeric knob from the environment, or its default.
 pub fn knob(name: &str, default: u64) -> u64 {
