@@ -25,7 +25,9 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{connect, create_database, knob, round1, round3, serve_options, start_cluster};
+use common::{
+    connect, create_database, in_progress, knob, round1, round3, serve_options, start_cluster,
+};
 use newsnack::embedded::EmbeddedOptions;
 use serde_json::{json, Value};
 
@@ -52,23 +54,7 @@ async fn main() {
     let db = connect(&url).await;
     let mut results = serde_json::Map::new();
     for way in ["trigger", "raw"] {
-        let ids: Vec<i64> = db
-            .query(
-                "INSERT INTO issue (title) SELECT 'wait ' || g FROM generate_series(1, $1::int) g
-                 RETURNING id",
-                &[&(waits as i32 + 5)],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        db.execute(
-            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
-            &[&ids],
-        )
-        .await
-        .unwrap();
+        let ids = in_progress(&db, waits + 5).await;
         results.insert(way.into(), run(&bin, way, &service, &db, &ids).await);
     }
     let report = json!({

@@ -19,7 +19,9 @@
 
 mod common;
 
-use common::{connect, create_database, knob, migrate_with, round1, round3, start_cluster, stop};
+use common::{
+    connect, create_database, in_progress, knob, migrate_with, round1, round3, start_cluster, stop,
+};
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -50,23 +52,7 @@ async fn main() {
     let url = create_database(&cluster, "bench").await;
     migrate_with(&bin, &url);
     let db = connect(&url).await;
-    let ids: Vec<i64> = db
-        .query(
-            "INSERT INTO issue (title) SELECT 'wait ' || g FROM generate_series(1, $1::int) g
-             RETURNING id",
-            &[&(waits as i32 + 10)],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    db.execute(
-        "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
-        &[&ids],
-    )
-    .await
-    .unwrap();
+    let ids = in_progress(&db, waits + 10).await;
     let (warmup, targets) = ids.split_at(10);
 
     let port = TcpListener::bind("127.0.0.1:0")

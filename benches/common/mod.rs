@@ -1,7 +1,7 @@
 //! Helpers every benchmark shares: knobs from the environment, a throwaway
 //! cluster and its databases, a plain connection, a service's options, a
 //! `newsnack serve` process waited for and stopped, the claim workload,
-//! the wait for every issue `DONE`, the CPU seconds of processes and of a
+//! issues held `IN_PROGRESS` for waits, the wait for every issue `DONE`, the CPU seconds of processes and of a
 //! cluster, and rounding for the JSON reports.
 #![allow(dead_code)]
 
@@ -134,6 +134,30 @@ pub fn stop(child: &mut std::process::Child) {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
     child.wait().unwrap();
+}
+
+/// Adds `n` issues and moves them to `IN_PROGRESS`, as if claimed: targets
+/// for waits that stay open until the benchmark finishes them; their ids.
+pub async fn in_progress(client: &tokio_postgres::Client, n: usize) -> Vec<i64> {
+    let ids: Vec<i64> = client
+        .query(
+            "INSERT INTO issue (title) SELECT 'wait ' || g FROM generate_series(1, $1::int) g
+             RETURNING id",
+            &[&(n as i32)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    client
+        .execute(
+            "UPDATE issue SET processing_status = 'IN_PROGRESS' WHERE id = ANY($1)",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    ids
 }
 
 /// Adds `n` issues titled `{prefix} N`, with a body each; their ids.
