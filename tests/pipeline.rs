@@ -604,24 +604,56 @@ async fn run_pipeline_in_flight(
 
 /// Ends the session holding the pipeline lock (as `pg_terminate_backend`,
 /// a failover or a broken connection would). When `take_it`, `sql`'s
-/// session queues for the lock in the same statement, so it is granted the
-/// lock the moment the ended session lets go, before the run can take it
-/// again; otherwise waits until the session is gone.
-async fn end_the_lock_session(sql: &tokio_postgres::Client, take_it: bool) {
+/// session first queues for the lock, and only then is the holder ended,
+/// so it is granted the lock the moment the ended session lets go, before
+/// the run can take it again; otherwise waits until the session is gone.
+async fn end_the_lock_session(db: &TestDb, sql: &tokio_postgres::Client, take_it: bool) {
     let holders = "SELECT pid FROM pg_stat_activity
                     WHERE datname = current_database() AND application_name LIKE 'newsnack-lock:pipeline:%'";
-    let ended = if take_it {
-        format!(
-            "SELECT count(pg_advisory_lock(7236284560371893004)::text)
-               FROM (SELECT pg_terminate_backend(pid) AS ended FROM ({holders}) h OFFSET 0) t
-              WHERE ended"
-        )
-    } else {
-        format!(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM ({holders}) h"
-        )
+    if !take_it {
+        let ended: i64 = sql
+            .query_one(
+                &format!("SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM ({holders}) h"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(ended, 1, "the one session holding the pipeline lock ended");
+        return;
+    }
+    let ender = db.raw().await;
+    let queued = sql.query_one("SELECT pg_advisory_lock(7236284560371893004)::text", &[]);
+    let end = async {
+        // The lock request is queued once the server shows it waiting.
+        let waiting = "SELECT count(*) FROM pg_locks
+                        WHERE locktype = 'advisory' AND NOT granted
+                          AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+        within(10, "the lock request to queue", async {
+            while ender
+                .query_one(waiting, &[])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                != 1
+            {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        ender
+            .query_one(
+                &format!(
+                    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM ({holders}) h"
+                ),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
     };
-    let ended: i64 = sql.query_one(&ended, &[]).await.unwrap().get(0);
+    let (granted, ended) = tokio::join!(queued, end);
+    granted.unwrap();
     assert_eq!(ended, 1, "the one session holding the pipeline lock ended");
 }
 
@@ -644,7 +676,7 @@ async fn a_run_whose_lock_another_session_took_stops_at_once_and_publishes_nothi
     let (hub, stop) = db.listener().await;
     let child = run_pipeline_in_flight(&db, &hub, &fake.url).await;
     let other = db.raw().await;
-    end_the_lock_session(&other, true).await;
+    end_the_lock_session(&db, &other, true).await;
 
     let out = finished(child).await;
     // A run that failed is a failure (exit 1, why on stderr), not a skip.
@@ -687,7 +719,7 @@ async fn a_run_whose_lock_session_ends_takes_the_lock_again_and_publishes() {
     let (hub, stop) = db.listener().await;
     let child = run_pipeline_in_flight(&db, &hub, &fake.url).await;
     let other = db.raw().await;
-    end_the_lock_session(&other, false).await;
+    end_the_lock_session(&db, &other, false).await;
 
     let out = finished(child).await;
     assert!(
