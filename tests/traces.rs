@@ -89,13 +89,15 @@ impl Receiver {
         decode(&text)
     }
 
-    /// Waits until a span satisfies `wanted`; all spans received by then.
-    /// Fails after a minute, naming what was received.
-    async fn until(&self, what: &str, wanted: impl Fn(&Span) -> bool) -> Vec<Span> {
+    /// Waits until the spans received satisfy `wanted` and returns them.
+    /// Judges the whole set: a batch exporter may send a child's span and
+    /// its parent's in different batches. Fails after a minute, naming
+    /// what was received.
+    async fn until(&self, what: &str, wanted: impl Fn(&[Span]) -> bool) -> Vec<Span> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             let spans = self.spans();
-            if spans.iter().any(&wanted) {
+            if wanted(&spans) {
                 return spans;
             }
             if tokio::time::Instant::now() > deadline {
@@ -325,8 +327,10 @@ async fn a_callers_trace_runs_through_the_database_into_the_generation_and_its_l
     );
 
     let spans = receiver
-        .until("the LLM call's span", |s| {
-            s.name == CHAT && s.trace_id == trace
+        .until("the claim's, generation's and LLM call's spans", |spans| {
+            [CHAT, "generate", "claim"]
+                .iter()
+                .all(|name| spans.iter().any(|s| s.name == *name && s.trace_id == trace))
         })
         .await;
     let by_id: BTreeMap<&str, &Span> = spans.iter().map(|s| (s.id.as_str(), s)).collect();
