@@ -10,7 +10,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -23,9 +23,6 @@ const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond p
 const MODEL: &str = "trace-model";
 /// The LLM call's span: `chat <model>`, as the GenAI conventions name it.
 const CHAT: &str = "chat trace-model";
-
-/// The receiver, pinned.
-const ROTEL: &[&str] = &["rotel==0.0.1a15"];
 
 /// One span as the receiver printed it.
 #[derive(Debug, Clone, Default)]
@@ -49,10 +46,7 @@ impl Receiver {
     /// Starts the collector on two free loopback ports (OTLP gRPC and
     /// HTTP) and returns once it listens.
     async fn start() -> Receiver {
-        let bin = tokio::task::spawn_blocking(|| common::python::venv("rotel", ROTEL))
-            .await
-            .unwrap();
-        let agent = rotel_agent(&bin);
+        let agent = common::python::rotel_agent().await;
         let dir = tempfile::tempdir().unwrap();
         let print = dir.path().join("received.txt");
         let (grpc, http) = (free_port(), free_port());
@@ -117,22 +111,6 @@ impl Drop for Receiver {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// The collector's binary inside the `rotel` package of the environment
-/// whose `bin` is `bin`.
-fn rotel_agent(bin: &Path) -> PathBuf {
-    let out = Command::new(bin.join("python"))
-        .args([
-            "-c",
-            "import os, rotel; print(os.path.dirname(rotel.__file__))",
-        ])
-        .output()
-        .expect("run the environment's python");
-    let dir = String::from_utf8(out.stdout).unwrap();
-    let agent = Path::new(dir.trim()).join("rotel-agent");
-    assert!(agent.exists(), "no rotel-agent in {}", dir.trim());
-    agent
 }
 
 fn free_port() -> String {

@@ -1,9 +1,9 @@
-//! Python tools the tests run for real (Apache Airflow, Schemathesis),
-//! installed from PyPI into virtual environments cached between runs: under
-//! `$NEWSNACK_TEST_CACHE`, else `$XDG_CACHE_HOME/newsnack-tests`, else
-//! `~/.cache/newsnack-tests`, one per pinned set of requirements. A missing
-//! `python3` or `venv` fails the test with what to install: nothing passes
-//! by skipping.
+//! Python tools the tests run for real (Apache Airflow, Schemathesis, the
+//! `rotel` OpenTelemetry collector), installed from PyPI into virtual
+//! environments cached between runs: under `$NEWSNACK_TEST_CACHE`, else
+//! `$XDG_CACHE_HOME/newsnack-tests`, else `~/.cache/newsnack-tests`, one
+//! per pinned set of requirements. A missing `python3` or `venv` fails the
+//! test with what to install: nothing passes by skipping.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -106,4 +106,26 @@ pub async fn provider_venv(name: &'static str, requirements: &'static [&'static 
     })
     .await
     .unwrap()
+}
+
+/// The `rotel` OpenTelemetry collector (an OTLP receiver), pinned.
+pub const ROTEL: &[&str] = &["rotel==0.0.1a15"];
+
+/// The `rotel-agent` executable of the cached `rotel` venv, installed on
+/// first use.
+pub async fn rotel_agent() -> PathBuf {
+    let bin = tokio::task::spawn_blocking(|| venv("rotel", ROTEL))
+        .await
+        .unwrap();
+    let out = Command::new(bin.join("python"))
+        .args([
+            "-c",
+            "import os, rotel; print(os.path.dirname(rotel.__file__))",
+        ])
+        .output()
+        .expect("run the environment's python");
+    let dir = String::from_utf8(out.stdout).unwrap();
+    let agent = PathBuf::from(dir.trim()).join("rotel-agent");
+    assert!(agent.exists(), "no rotel-agent in {}", dir.trim());
+    agent
 }
