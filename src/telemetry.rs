@@ -419,34 +419,65 @@ fn answer_headers(
     }
 }
 
-/// The span of one article's generation, when spans are exported: on the
-/// issue's first attempt a child of the context it was claimed in
-/// (`traceparent`), on a later one a new trace linked to it, so a retry
-/// hours later neither stretches the first trace nor inherits its
-/// sampling.
-pub fn generation_span(issue: i64, attempts: i32, traceparent: Option<&str>) -> tracing::Span {
+/// The span of one article's generation, when spans are exported. On the
+/// issue's first attempt it is a child of the context it was claimed in
+/// (`claimed_in`). A later attempt (a retry, or a claim taken back after
+/// its lease ran out) starts a new trace, sampled on its own, linked to
+/// the earlier attempt's context (`earlier`, link attribute
+/// `newsnack.link` = `previous_attempt`) and to its own claim's
+/// (`claim`): a retry hours later neither stretches the first trace nor
+/// inherits its sampling.
+pub fn generation_span(
+    issue: i64,
+    attempts: i32,
+    claimed_in: Option<&str>,
+    earlier: Option<&str>,
+) -> tracing::Span {
     if !exporting() {
         return tracing::Span::none();
     }
     let span = tracing::info_span!(
         "generate",
         otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        error.r#type = tracing::field::Empty,
         newsnack.issue_id = issue,
         newsnack.attempt = attempts,
     );
-    let Some(traceparent) = traceparent.filter(|t| is_traceparent(t)) else {
-        return span;
-    };
-    let claimed_in = TraceContextPropagator::new().extract(&CallerHeaders(&CallerContext {
-        traceparent: traceparent.to_owned(),
-        tracestate: None,
-    }));
+    let claimed_in = claimed_in.and_then(remote_context);
     if attempts <= 1 {
-        let _ = span.set_parent(claimed_in);
-    } else {
-        span.add_link(claimed_in.span().span_context().clone());
+        if let Some(claimed_in) = claimed_in {
+            let _ = span.set_parent(claimed_in);
+        }
+        return span;
+    }
+    let _ = span.set_parent(Context::new());
+    let links = [
+        (earlier.and_then(remote_context), "previous_attempt"),
+        (claimed_in, "claim"),
+    ];
+    for (cx, kind) in links {
+        if let Some(cx) = cx {
+            span.add_link_with_attributes(
+                cx.span().span_context().clone(),
+                vec![opentelemetry::KeyValue::new("newsnack.link", kind)],
+            );
+        }
     }
     span
+}
+
+/// The remote context a well-formed `traceparent` names.
+fn remote_context(traceparent: &str) -> Option<Context> {
+    if !is_traceparent(traceparent) {
+        return None;
+    }
+    Some(
+        TraceContextPropagator::new().extract(&CallerHeaders(&CallerContext {
+            traceparent: traceparent.to_owned(),
+            tracestate: None,
+        })),
+    )
 }
 
 /// The span of one LLM call (OpenTelemetry's GenAI conventions), when

@@ -1,20 +1,20 @@
-//! Traces over OTLP, against a real receiver: the `rotel` collector from
-//! PyPI (in a cached virtual environment), bound to loopback, printing
-//! every span it receives in full; the tests decode that print. A caller's
-//! `traceparent` continues through `POST /issues`, the claim over HTTP and
-//! the database into the article's generation and its LLM call (with the
-//! GenAI attributes); a plain-SQL writer's `newsnack.traceparent` is kept
-//! on the issue and its transition; an unsampled caller produces no spans;
-//! a receiver that is not there changes no answer and is counted.
+//! Traces over OTLP, against a real receiver (the `rotel` collector,
+//! tests/common/otlp.rs). A caller's `traceparent` continues through
+//! `POST /issues`, the claim over HTTP and the database into the article's
+//! generation and its LLM call (with the GenAI attributes); an issue whose
+//! first instance died mid-generation is written by another, after the
+//! lease, in a new trace linked to the first; a plain-SQL writer's
+//! `newsnack.traceparent` is kept on the issue and its transition; an
+//! unsampled caller produces no spans; a receiver that is not there changes
+//! no answer and is counted.
 
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
+use common::otlp::{free_port, Receiver, Span};
 use common::process::{Output, ServeProcess};
 use common::{until_sql_polled, within, TestDb};
 use serde_json::{json, Value};
@@ -23,160 +23,6 @@ const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond p
 const MODEL: &str = "trace-model";
 /// The LLM call's span: `chat <model>`, as the GenAI conventions name it.
 const CHAT: &str = "chat trace-model";
-
-/// One span as the receiver printed it.
-#[derive(Debug, Clone, Default)]
-struct Span {
-    trace_id: String,
-    parent_id: String,
-    id: String,
-    name: String,
-    attributes: BTreeMap<String, String>,
-}
-
-/// A running `rotel` collector, printing what it receives to a file.
-struct Receiver {
-    child: Child,
-    print: PathBuf,
-    http: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Receiver {
-    /// Starts the collector on two free loopback ports (OTLP gRPC and
-    /// HTTP) and returns once it listens.
-    async fn start() -> Receiver {
-        let agent = common::python::rotel_agent().await;
-        let dir = tempfile::tempdir().unwrap();
-        let print = dir.path().join("received.txt");
-        let (grpc, http) = (free_port(), free_port());
-        let child = Command::new(&agent)
-            .args(["start", "--exporter", "blackhole"])
-            .args(["--debug-log", "traces", "--debug-log-verbosity", "detailed"])
-            .args(["--otlp-grpc-endpoint", &grpc, "--otlp-http-endpoint", &http])
-            .arg("--pid-file")
-            .arg(dir.path().join("rotel.pid"))
-            .arg("--log-file")
-            .arg(dir.path().join("rotel.log"))
-            .stdout(std::fs::File::create(&print).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", agent.display()));
-        let receiver = Receiver {
-            child,
-            print,
-            http: format!("http://{http}"),
-            _dir: dir,
-        };
-        within(30, "the receiver listens", async {
-            while tokio::net::TcpStream::connect(&http).await.is_err() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await;
-        receiver
-    }
-
-    /// Every span received so far.
-    fn spans(&self) -> Vec<Span> {
-        let text = String::from_utf8_lossy(&std::fs::read(&self.print).unwrap()).into_owned();
-        decode(&text)
-    }
-
-    /// Waits until the spans received satisfy `wanted` and returns them.
-    /// Judges the whole set: a batch exporter may send a child's span and
-    /// its parent's in different batches. Fails after a minute, naming
-    /// what was received.
-    async fn until(&self, what: &str, wanted: impl Fn(&[Span]) -> bool) -> Vec<Span> {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let spans = self.spans();
-            if wanted(&spans) {
-                return spans;
-            }
-            if tokio::time::Instant::now() > deadline {
-                let seen: Vec<(&str, &str)> = spans
-                    .iter()
-                    .map(|s| (s.name.as_str(), s.trace_id.as_str()))
-                    .collect();
-                panic!("no {what} within 60 s; received {seen:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> String {
-    let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    socket.local_addr().unwrap().to_string()
-}
-
-/// The spans of the collector's detailed print: `Span #n` opens one, then
-/// `Trace ID : ..`, `Parent ID : ..`, `ID : ..`, `Name : ..`, and under
-/// `Attributes:` one `-> key: Type(value)` a line, until `Events:` or
-/// `Links:`.
-fn decode(text: &str) -> Vec<Span> {
-    let mut spans = Vec::new();
-    let mut current: Option<Span> = None;
-    let mut in_attributes = false;
-    for line in text.lines() {
-        let trimmed = line.trim();
-        if trimmed.starts_with("Span #") {
-            spans.extend(current.take());
-            current = Some(Span::default());
-            in_attributes = false;
-            continue;
-        }
-        if trimmed.starts_with("ResourceSpans #") {
-            spans.extend(current.take());
-            continue;
-        }
-        let Some(span) = current.as_mut() else {
-            continue;
-        };
-        let field = |prefix: &str| {
-            trimmed
-                .strip_prefix(prefix)
-                .and_then(|rest| rest.trim_start().strip_prefix(':'))
-                .map(|v| v.trim().to_string())
-        };
-        if let Some(v) = field("Trace ID") {
-            span.trace_id = v;
-        } else if let Some(v) = field("Parent ID") {
-            span.parent_id = v;
-        } else if let Some(v) = field("ID") {
-            span.id = v;
-        } else if let Some(v) = field("Name") {
-            if !in_attributes {
-                span.name = v;
-            }
-        } else if trimmed == "Attributes:" {
-            in_attributes = true;
-        } else if trimmed == "Events:" || trimmed == "Links:" {
-            in_attributes = false;
-        } else if in_attributes {
-            if let Some((key, value)) = trimmed
-                .strip_prefix("-> ")
-                .and_then(|kv| kv.split_once(": "))
-            {
-                // `Str(x)`, `Int(3)`: the value inside the parentheses.
-                let value = value
-                    .split_once('(')
-                    .map_or(value, |(_, v)| v.strip_suffix(')').unwrap_or(v));
-                span.attributes.insert(key.to_string(), value.to_string());
-            }
-        }
-    }
-    spans.extend(current);
-    spans
-}
 
 /// The trace id of a `traceparent`.
 fn trace_of(traceparent: &str) -> &str {
@@ -474,4 +320,126 @@ async fn a_receiver_that_is_not_there_changes_no_answer_and_is_counted() {
         "{}",
         answered[0]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_taken_back_after_its_lease_is_written_in_a_new_trace_linked_to_the_first() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new().await;
+    db.set("lease_s", "2").await;
+    db.set("retry_backoff_ms", "50").await;
+    // The first call never answers (its instance dies in it); the retry's
+    // answers.
+    let llm = FakeLlm::start(|n, _| match n {
+        0 => Reply::Hang,
+        _ => Reply::WithUsage {
+            content: ARTICLE.into(),
+            usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
+        },
+    })
+    .await;
+    let mut first = serve(&db, "first", &llm, &receiver.http);
+    let second = serve(&db, "second", &llm, &receiver.http);
+    let http = reqwest::Client::new();
+
+    let caller = "00-6bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let trace = trace_of(caller);
+    let (status, _, added) = post(
+        &http,
+        format!("{}/issues", first.base_url()),
+        Some(caller),
+        json!({"issues": [{"title": "Story taken back"}]}),
+    )
+    .await;
+    assert_eq!(status, reqwest::StatusCode::CREATED);
+    let id = added["ids"][0].as_i64().unwrap();
+    let (status, _, claimed) = post(
+        &http,
+        format!("{}/ai-articles", first.base_url()),
+        Some(caller),
+        json!({"issue_ids": [id]}),
+    )
+    .await;
+    assert_eq!(status, reqwest::StatusCode::ACCEPTED, "{claimed}");
+
+    // The first instance is in its LLM call, and its claim's span has left
+    // it: it dies there.
+    llm.until_requests(1).await;
+    let spans = receiver
+        .until("the first instance's claim", |spans| {
+            spans
+                .iter()
+                .any(|s| s.name == "claim" && s.trace_id == trace)
+        })
+        .await;
+    let claim = spans
+        .iter()
+        .find(|s| s.name == "claim" && s.trace_id == trace)
+        .unwrap()
+        .clone();
+    tokio::task::block_in_place(|| first.kill());
+
+    // The lease runs out; the second instance takes the issue back and
+    // writes it.
+    until_sql_polled(
+        &db,
+        60,
+        &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {id}"),
+    )
+    .await;
+    let row = db
+        .query_one(
+            "SELECT claimed_by, attempts FROM issue WHERE id = $1",
+            &[&id],
+        )
+        .await;
+    let (by, attempts): (String, i32) = (row.get(0), row.get(1));
+    assert_eq!((by.as_str(), attempts), ("second", 2));
+
+    let is_retry = |s: &Span| {
+        s.name == "generate"
+            && s.attributes.get("newsnack.issue_id") == Some(&id.to_string())
+            && s.attributes.get("newsnack.attempt").map(String::as_str) == Some("2")
+    };
+    let spans = receiver
+        .until("the retry's generation and its LLM call", |spans| {
+            spans.iter().filter(|s| is_retry(s)).any(|generate| {
+                spans
+                    .iter()
+                    .any(|s| s.name == CHAT && s.parent_id == generate.id)
+            })
+        })
+        .await;
+    let generate = spans.iter().find(|s| is_retry(s)).unwrap();
+    assert_ne!(
+        generate.trace_id, trace,
+        "the retry's generation starts a trace of its own: {generate:#?}"
+    );
+    assert_eq!(generate.parent_id, "", "a root: {generate:#?}");
+    let previous: Vec<_> = generate
+        .links
+        .iter()
+        .filter(|l| {
+            l.attributes.get("newsnack.link").map(String::as_str) == Some("previous_attempt")
+        })
+        .collect();
+    assert_eq!(previous.len(), 1, "{generate:#?}");
+    assert_eq!(
+        (previous[0].trace_id.as_str(), previous[0].span_id.as_str()),
+        (trace, claim.id.as_str()),
+        "linked to the claim the first instance held"
+    );
+    let chat = spans
+        .iter()
+        .find(|s| s.name == CHAT && s.parent_id == generate.id)
+        .unwrap();
+    assert_eq!(chat.trace_id, generate.trace_id);
+    assert_eq!(chat.attributes["gen_ai.request.model"], MODEL);
+    assert_eq!(chat.attributes["gen_ai.usage.input_tokens"], "17");
+    assert_eq!(chat.attributes["gen_ai.usage.output_tokens"], "29");
+    assert!(
+        !spans.iter().any(|s| is_retry(s) && s.trace_id == trace),
+        "the retry's generation stretched the first trace"
+    );
+    drop(second);
 }

@@ -10,6 +10,7 @@ pub mod fake_llm;
 pub mod gate;
 pub mod http;
 pub mod kubernetes;
+pub mod otlp;
 pub mod pgbouncer;
 pub mod process;
 pub mod promtool;

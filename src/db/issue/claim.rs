@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use time::OffsetDateTime;
 use tokio_postgres::types::Type;
+use tokio_postgres::GenericClient as _;
 
 use crate::db::{DbError, Sql};
 
@@ -166,4 +167,28 @@ pub async fn claim_issues_traced(
         }
     }
     Ok(ClaimOutcome::of_request(ids, claimed, &done))
+}
+
+/// The trace context of issue `id`'s attempts before claim `claim_id`:
+/// the latest logged transition's not made under that claim (the failed
+/// attempt's, or the claim whose lease ran out), else the context the
+/// issue was added in. Read for a retry's generation, which links to it.
+pub async fn earlier_traceparent(
+    client: &impl Sql,
+    id: i64,
+    claim_id: i64,
+) -> Result<Option<String>, DbError> {
+    let row = client
+        .sql()
+        .query_typed_one(
+            "SELECT COALESCE(
+                 (SELECT t.traceparent FROM issue_transition t
+                   WHERE t.issue_id = $1 AND t.claim_id IS DISTINCT FROM $2
+                     AND t.traceparent IS NOT NULL
+                   ORDER BY t.seq DESC LIMIT 1),
+                 (SELECT i.traceparent FROM issue i WHERE i.id = $1))",
+            &[(&id, Type::INT8), (&claim_id, Type::INT8)],
+        )
+        .await?;
+    Ok(row.get(0))
 }

@@ -10,8 +10,8 @@ mod operator;
 mod retry_state;
 
 pub use claim::{
-    claim_issues, claim_issues_traced, ClaimOutcome, ClaimScope, ClaimedIssue, CLAIM_STATEMENT,
-    TRACED_CLAIM_STATEMENT,
+    claim_issues, claim_issues_traced, earlier_traceparent, ClaimOutcome, ClaimScope, ClaimedIssue,
+    CLAIM_STATEMENT, TRACED_CLAIM_STATEMENT,
 };
 pub use fenced::{
     claim_current, complete, fail, fail_unspent, heartbeat, reap_expired, release, Completion,

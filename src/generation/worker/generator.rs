@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::gate::{Gate, Slots};
 use super::{generate, Fallback, Generation, Start};
 use crate::claims::claim::release_claims;
-use crate::db::issue::ClaimedIssue;
+use crate::db::issue::{self, ClaimedIssue};
 use crate::db::DbPool;
 use crate::events::stream::TransitionStream;
 use crate::generation::budget::{BudgetAgent, LlmBudget};
@@ -197,25 +197,20 @@ impl Generator {
                         start: Arc::default(),
                         left_in_progress: Arc::default(),
                     };
-                    let span = crate::telemetry::generation_span(
-                        claimed.id,
-                        attempts,
-                        claimed.traceparent.as_deref(),
-                    );
-                    let task = inflight.spawn(tracing::Instrument::instrument(generate(
-                        Generation {
-                            pool: self.pool.clone(),
-                            completer: self.completer.clone(),
-                            writer: self.writer.clone(),
-                            fallback: self.fallback.clone(),
-                            settings: self.settings.clone(),
-                            gate: gate.clone(),
-                        },
-                        claimed,
-                        priority,
-                        in_flight.start.clone(),
-                        in_flight.left_in_progress.clone(),
-                    ), span));
+                    let generation = Generation {
+                        pool: self.pool.clone(),
+                        completer: self.completer.clone(),
+                        writer: self.writer.clone(),
+                        fallback: self.fallback.clone(),
+                        settings: self.settings.clone(),
+                        gate: gate.clone(),
+                    };
+                    let (start, left) = (in_flight.start.clone(), in_flight.left_in_progress.clone());
+                    let task = inflight.spawn(async move {
+                        let span = generation_span(&generation.pool, &claimed).await;
+                        let work = generate(generation, claimed, priority, start, left);
+                        tracing::Instrument::instrument(work, span).await
+                    });
                     by_issue.entry(in_flight.claim.0).or_default().push(task.id());
                     // Left IN_PROGRESS before the claim reached the queue?
                     if recent_exits.seen(in_flight.claim.0, attempts) {
@@ -291,6 +286,34 @@ impl Generator {
         let cut_short = claims.into_values().map(|task| task.claim).collect();
         release_claims(&self.pool, cut_short, "shutdown", true).await;
     }
+}
+
+/// The span `claimed`'s generation runs in
+/// ([`crate::telemetry::generation_span`]); for a later attempt, linked to
+/// the earlier attempt's context, read from the log.
+async fn generation_span(pool: &DbPool, claimed: &ClaimedIssue) -> tracing::Span {
+    if !crate::telemetry::exporting() {
+        return tracing::Span::none();
+    }
+    let mut earlier = None;
+    if claimed.attempts > 1 {
+        let read = async {
+            let client = pool.get().await?;
+            issue::earlier_traceparent(&pool.session(&client), claimed.id, claimed.claim_id).await
+        };
+        match read.await {
+            Ok(traceparent) => earlier = traceparent,
+            Err(e) => {
+                tracing::warn!(issue = claimed.id, error = %e, "cannot read the earlier attempt's trace context; the retry's trace is not linked to it")
+            }
+        }
+    }
+    crate::telemetry::generation_span(
+        claimed.id,
+        claimed.attempts,
+        claimed.traceparent.as_deref(),
+        earlier.as_deref(),
+    )
 }
 
 /// A generation task's claim, whether it has begun, and how it learns that

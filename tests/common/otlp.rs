@@ -1,0 +1,235 @@
+//! A real OTLP receiver for the trace tests: the `rotel` collector
+//! ([`super::python::rotel_agent`]), bound to loopback, printing
+//! every span it receives in full, and the decoding of that print into
+//! spans with their attributes, status, events and links.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::within;
+
+/// One span as the receiver printed it.
+#[derive(Debug, Clone, Default)]
+pub struct Span {
+    pub trace_id: String,
+    pub parent_id: String,
+    pub id: String,
+    pub name: String,
+    /// `Unset`, `Ok` or `Error`.
+    pub status: String,
+    pub attributes: BTreeMap<String, String>,
+    pub events: Vec<Event>,
+    pub links: Vec<Link>,
+}
+
+/// One event of a span.
+#[derive(Debug, Clone, Default)]
+pub struct Event {
+    pub name: String,
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// One link of a span: to span `span_id` of trace `trace_id`.
+#[derive(Debug, Clone, Default)]
+pub struct Link {
+    pub trace_id: String,
+    pub span_id: String,
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// A running `rotel` collector, printing what it receives to a file.
+pub struct Receiver {
+    child: Child,
+    print: PathBuf,
+    /// `http://ADDR` of its OTLP/HTTP endpoint.
+    pub http: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Receiver {
+    /// Starts the collector on two free loopback ports (OTLP gRPC and
+    /// HTTP) and returns once it listens.
+    pub async fn start() -> Receiver {
+        let agent = super::python::rotel_agent().await;
+        let dir = tempfile::tempdir().unwrap();
+        let print = dir.path().join("received.txt");
+        let (grpc, http) = (free_port(), free_port());
+        let child = Command::new(&agent)
+            .args(["start", "--exporter", "blackhole"])
+            .args(["--debug-log", "traces", "--debug-log-verbosity", "detailed"])
+            .args(["--otlp-grpc-endpoint", &grpc, "--otlp-http-endpoint", &http])
+            .arg("--pid-file")
+            .arg(dir.path().join("rotel.pid"))
+            .arg("--log-file")
+            .arg(dir.path().join("rotel.log"))
+            .stdout(std::fs::File::create(&print).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", agent.display()));
+        let receiver = Receiver {
+            child,
+            print,
+            http: format!("http://{http}"),
+            _dir: dir,
+        };
+        within(30, "the receiver listens", async {
+            while tokio::net::TcpStream::connect(&http).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        receiver
+    }
+
+    /// What the collector printed so far.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.print).unwrap()).into_owned()
+    }
+
+    /// Every span received so far.
+    pub fn spans(&self) -> Vec<Span> {
+        decode(&self.text())
+    }
+
+    /// Waits until the spans received satisfy `wanted` and returns them.
+    /// Judges the whole set: a batch exporter may send a child's span and
+    /// its parent's in different batches. Fails after a minute, naming
+    /// what was received.
+    pub async fn until(&self, what: &str, wanted: impl Fn(&[Span]) -> bool) -> Vec<Span> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let spans = self.spans();
+            if wanted(&spans) {
+                return spans;
+            }
+            if tokio::time::Instant::now() > deadline {
+                let seen: Vec<(&str, &str)> = spans
+                    .iter()
+                    .map(|s| (s.name.as_str(), s.trace_id.as_str()))
+                    .collect();
+                panic!("no {what} within 60 s; received {seen:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A loopback address nothing listens on (yet).
+pub fn free_port() -> String {
+    let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    socket.local_addr().unwrap().to_string()
+}
+
+/// Where in a span's print a line falls.
+#[derive(PartialEq)]
+enum Section {
+    Head,
+    Attributes,
+    Events,
+    Links,
+}
+
+/// The spans of the collector's detailed print: `Span #n` opens one, then
+/// `Trace ID : ..`, `Parent ID : ..`, `ID : ..`, `Name : ..`,
+/// `Status code : ..`; under `Attributes:` one `-> key: Type(value)` a
+/// line; under `Events:` a `SpanEvent #n` each, with `-> Name: ..` and its
+/// attributes; under `Links:` a `SpanLink #n` each, with `-> Trace ID: ..`,
+/// `-> ID: ..` and its attributes.
+pub fn decode(text: &str) -> Vec<Span> {
+    let mut spans = Vec::new();
+    let mut current: Option<Span> = None;
+    let mut section = Section::Head;
+    for line in text.lines() {
+        let trimmed = line.trim();
+        if trimmed.starts_with("Span #") {
+            spans.extend(current.take());
+            current = Some(Span::default());
+            section = Section::Head;
+            continue;
+        }
+        if trimmed.starts_with("ResourceSpans #") || trimmed.starts_with("ScopeSpans #") {
+            spans.extend(current.take());
+            continue;
+        }
+        let Some(span) = current.as_mut() else {
+            continue;
+        };
+        match trimmed {
+            "Attributes:" => section = Section::Attributes,
+            "Events:" => section = Section::Events,
+            "Links:" => section = Section::Links,
+            _ if trimmed.starts_with("SpanEvent #") => span.events.push(Event::default()),
+            _ if trimmed.starts_with("SpanLink #") => span.links.push(Link::default()),
+            _ => read_line(span, &section, trimmed),
+        }
+    }
+    spans.extend(current);
+    spans
+}
+
+/// One line of `span`'s print, in `section`.
+fn read_line(span: &mut Span, section: &Section, line: &str) {
+    let field = |prefix: &str| {
+        line.strip_prefix(prefix)
+            .and_then(|rest| rest.trim_start().strip_prefix(':'))
+            .map(|v| v.trim().to_string())
+    };
+    let arrowed = line.strip_prefix("-> ");
+    match section {
+        Section::Head => {
+            if let Some(v) = field("Trace ID") {
+                span.trace_id = v;
+            } else if let Some(v) = field("Parent ID") {
+                span.parent_id = v;
+            } else if let Some(v) = field("ID") {
+                span.id = v;
+            } else if let Some(v) = field("Name") {
+                span.name = v;
+            } else if let Some(v) = field("Status code") {
+                span.status = v.trim_start_matches("STATUS_CODE_").to_string();
+            }
+        }
+        Section::Attributes => attribute(&mut span.attributes, arrowed),
+        Section::Events => {
+            let Some(event) = span.events.last_mut() else {
+                return;
+            };
+            match arrowed.and_then(|kv| kv.split_once(": ")) {
+                Some(("Name", name)) => event.name = name.trim().to_string(),
+                _ => attribute(&mut event.attributes, arrowed),
+            }
+        }
+        Section::Links => {
+            let Some(link) = span.links.last_mut() else {
+                return;
+            };
+            match arrowed.and_then(|kv| kv.split_once(": ")) {
+                Some(("Trace ID", id)) => link.trace_id = id.trim().to_string(),
+                Some(("ID", id)) => link.span_id = id.trim().to_string(),
+                _ => attribute(&mut link.attributes, arrowed),
+            }
+        }
+    }
+}
+
+/// `key: Type(value)` (after its `-> `) into `attributes`, the value
+/// taken from inside the parentheses.
+fn attribute(attributes: &mut BTreeMap<String, String>, arrowed: Option<&str>) {
+    let Some((key, value)) = arrowed.and_then(|kv| kv.split_once(": ")) else {
+        return;
+    };
+    let Some((_, inner)) = value.split_once('(') else {
+        return;
+    };
+    let value = inner.strip_suffix(')').unwrap_or(inner);
+    attributes.insert(key.to_string(), value.to_string());
+}
