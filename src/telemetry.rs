@@ -527,6 +527,42 @@ pub fn llm_call_ended(
     }
 }
 
+/// The span `make` builds when spans are exported, else none (nothing is
+/// recorded and nothing costs).
+pub fn exported(make: impl FnOnce() -> tracing::Span) -> tracing::Span {
+    if exporting() {
+        make()
+    } else {
+        tracing::Span::none()
+    }
+}
+
+/// Links `span` (a pipeline run's wait) to the trace context each article
+/// it waited for was worked in: `(issue id, traceparent)`, as the database
+/// keeps them. The link names the issue (`newsnack.issue_id`); a malformed
+/// context is passed over.
+pub fn link_articles(span: &tracing::Span, contexts: &[(i64, String)]) {
+    if span.is_none() {
+        return;
+    }
+    for (issue, traceparent) in contexts {
+        if !is_traceparent(traceparent) {
+            continue;
+        }
+        let worked_in = TraceContextPropagator::new().extract(&CallerHeaders(&CallerContext {
+            traceparent: traceparent.clone(),
+            tracestate: None,
+        }));
+        span.add_link_with_attributes(
+            worked_in.span().span_context().clone(),
+            vec![
+                opentelemetry::KeyValue::new("newsnack.link", "waited_for"),
+                opentelemetry::KeyValue::new("newsnack.issue_id", *issue),
+            ],
+        );
+    }
+}
+
 struct CallerHeaders<'a>(&'a CallerContext);
 
 impl Extractor for CallerHeaders<'_> {

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::briefing::assembly::{self, AssembleError};
 use crate::briefing::lock::{LockHolder, RunLock};
@@ -25,12 +26,14 @@ use crate::briefing::wait::{self, WaitError, WaitOutcome, WaitReport, WaitReques
 use crate::claims::claim::Claimer;
 use crate::db::issue::ClaimScope;
 use crate::db::pipeline_run::{self, RunRecord};
+use crate::db::transition;
 use crate::db::{DbError, DbPool};
 use crate::events::hub::EventHub;
 use crate::generation::retry::RetryScope;
 use crate::generation::worker::GeneratorHandle;
 use crate::model::llm::Priority;
 use crate::settings::{Settings, SettingsCache};
+use crate::telemetry::exported;
 
 /// What starts a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,23 +156,49 @@ impl Pipeline {
             return Ok(None);
         };
         drop(client);
-        let mut record = RunRecord::default();
-        match self
-            .carry_out(run_id, &settings, stop, decide_now, &mut record)
-            .await
-        {
-            Ok(publish) => self.finish(run_id, record, publish, lock, &settings).await,
-            Err(e) => {
-                // A run that started is always finished, so it never stays
-                // `running` until another instance calls it abandoned.
-                record.outcome = "error".into();
-                record.error = Some(e.to_string());
-                if let Err(unrecorded) = self.finish(run_id, record, false, lock, &settings).await {
-                    tracing::warn!(run_id, error = %unrecorded, "could not record the failed run");
+        // The run is one trace, whatever started it: a root of its own,
+        // its steps (select, claim, wait, briefing) its children.
+        let root = exported(|| {
+            tracing::info_span!(
+                parent: None,
+                "pipeline run",
+                otel.kind = "internal",
+                newsnack.run_id = run_id,
+                newsnack.trigger = kind,
+                newsnack.outcome = tracing::field::Empty,
+            )
+        });
+        let finished = async {
+            let mut record = RunRecord::default();
+            match self
+                .carry_out(run_id, &settings, stop, decide_now, &mut record)
+                .await
+            {
+                Ok(publish) => self.finish(run_id, record, publish, lock, &settings).await,
+                Err(e) => {
+                    // A run that started is always finished, so it never
+                    // stays `running` until another instance calls it
+                    // abandoned.
+                    record.outcome = "error".into();
+                    record.error = Some(e.to_string());
+                    if let Err(unrecorded) =
+                        self.finish(run_id, record, false, lock, &settings).await
+                    {
+                        tracing::warn!(run_id, error = %unrecorded, "could not record the failed run");
+                    }
+                    Err(e)
                 }
-                Err(e)
             }
         }
+        .instrument(root.clone())
+        .await;
+        let outcome = match &finished {
+            Ok(Some(summary)) => summary.outcome.as_str(),
+            Ok(None) => "",
+            Err(_) => "error",
+        };
+        root.record("newsnack.outcome", outcome);
+        finished
     }
 
     /// Selects, claims and waits, filling in `record`; true when a briefing
@@ -205,25 +234,71 @@ impl Pipeline {
             min_completion: settings.content_gen_min_completion.max(0) as usize,
             max_attempts: settings.max_attempts as i32,
         };
+        let wait_span = exported(|| {
+            tracing::info_span!(
+                "wait",
+                otel.kind = "internal",
+                newsnack.targets = targets.len() as i64,
+                newsnack.outcome = tracing::field::Empty,
+            )
+        });
         let waited = tokio::select! {
             biased;
-            waited = wait::smart_wait_deciding_early(&self.hub, request, decide_now, stop) => waited,
+            waited = wait::smart_wait_deciding_early(&self.hub, request, decide_now, stop)
+                .instrument(wait_span.clone()) => waited,
             never = self.claim_stragglers(stragglers, settings, record) => match never {},
         };
+        if let Ok(report) = &waited {
+            wait_span.record("newsnack.outcome", report.outcome.as_str());
+        }
+        self.link_waited_for(&wait_span, &targets).await;
         Ok(record_wait(record, &targets, waited))
+    }
+
+    /// Links the run's `wait` span to the trace context each of `ids` was
+    /// worked in, as the database keeps it (the claim's, or a later
+    /// writer's), when spans are exported: an article generated in another
+    /// trace (claimed by Airflow, say) is one click away. A failed read
+    /// costs the links only.
+    async fn link_waited_for(&self, wait: &tracing::Span, ids: &[i64]) {
+        if wait.is_none() {
+            return;
+        }
+        let read = async {
+            let client = self.pool.get().await.map_err(DbError::from)?;
+            transition::trace_contexts(&client, ids).await
+        };
+        match read.instrument(wait.clone()).await {
+            Ok(contexts) => crate::telemetry::link_articles(wait, &contexts),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the articles' trace contexts; the run's wait is not linked to them")
+            }
+        }
     }
 
     /// The run's targets, as `select_target_issues` picks them.
     async fn select_targets(&self, settings: &Settings) -> Result<Targets, PipelineError> {
-        let client = self.pool.get().await.map_err(DbError::from)?;
-        let candidates = pipeline_run::select_targets(
-            &client,
-            settings.top_k,
-            settings.lookback_hours,
-            settings.max_attempts,
-            settings.wait_timeout().as_secs_f64(),
-        )
+        let span = exported(|| {
+            tracing::info_span!(
+                "select",
+                otel.kind = "internal",
+                newsnack.targets = tracing::field::Empty,
+            )
+        });
+        let candidates = async {
+            let client = self.pool.get().await.map_err(DbError::from)?;
+            pipeline_run::select_targets(
+                &client,
+                settings.top_k,
+                settings.lookback_hours,
+                settings.max_attempts,
+                settings.wait_timeout().as_secs_f64(),
+            )
+            .await
+        }
+        .instrument(span.clone())
         .await?;
+        span.record("newsnack.targets", candidates.len() as i64);
         let mut targets = Targets::default();
         for (id, is_pending) in candidates {
             targets.all.push(id);
@@ -334,15 +409,31 @@ impl Pipeline {
         if lock.is_lost() && record.outcome == "abandoned" {
             record.lock_lost();
         }
-        let recorded = match self
-            .record(run_id, &mut record, publish.then_some(lock), settings)
-            .await
-        {
-            Err(PipelineError::Db(e)) if publish => {
-                self.record_failure(run_id, &mut record, e, settings).await
+        let span = exported(|| {
+            tracing::info_span!(
+                "briefing",
+                otel.kind = "internal",
+                newsnack.publish = publish,
+                newsnack.briefing_id = tracing::field::Empty,
+            )
+        });
+        let recorded = async {
+            match self
+                .record(run_id, &mut record, publish.then_some(lock), settings)
+                .await
+            {
+                Err(PipelineError::Db(e)) if publish => {
+                    self.record_failure(run_id, &mut record, e, settings).await
+                }
+                recorded => recorded,
             }
-            recorded => recorded,
-        };
+        }
+        .instrument(span.clone())
+        .await;
+        if let Some(briefing_id) = record.briefing_id {
+            span.record("newsnack.briefing_id", briefing_id);
+        }
+        drop(span);
         if let Err(PipelineError::TakenOver) = recorded {
             tracing::warn!(run_id, "another instance took over this run after its pipeline lock was lost; nothing published");
         }

@@ -119,6 +119,29 @@ pub async fn read_page(
     })
 }
 
+/// The trace context each of `ids` was last worked in: that of its newest
+/// logged transition that kept one, else the one it was added in
+/// (`issue.traceparent`); ids with neither are left out. In id order.
+pub async fn trace_contexts(client: &impl Sql, ids: &[i64]) -> Result<Vec<(i64, String)>, DbError> {
+    let rows = client
+        .sql()
+        .query_typed(
+            "SELECT id, worked_in FROM (
+                SELECT i.id, COALESCE(
+                         (SELECT t.traceparent FROM issue_transition t
+                           WHERE t.issue_id = i.id AND t.traceparent IS NOT NULL
+                           ORDER BY t.seq DESC LIMIT 1),
+                         i.traceparent) AS worked_in
+                  FROM issue i
+                 WHERE i.id = ANY($1)) contexts
+              WHERE worked_in IS NOT NULL
+              ORDER BY id",
+            &[(&ids, Type::INT8_ARRAY)],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
 /// The oldest `seq` the log keeps; `None` when it is empty.
 pub async fn oldest_seq(client: &impl Sql) -> Result<Option<i64>, DbError> {
     let row = client

@@ -1,0 +1,251 @@
+//! A scheduled pipeline run is one trace, against a real OTLP receiver
+//! (`common::otlp`): the run's root span has its selection, claims, wait
+//! and briefing as children, the articles it claimed are generated under
+//! its claim, and its wait is linked to the context each article it
+//! waited for was worked in, as the database kept it, including one
+//! claimed by another caller in that caller's trace.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::fake_llm::{FakeLlm, Reply};
+use common::otlp::{Receiver, Span};
+use common::process::ServeProcess;
+use common::{until_sql, until_sql_polled, TestDb};
+use serde_json::{json, Value};
+
+const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
+/// The story another caller claims; its LLM call waits for the test.
+const ELSEWHERE: &str = "Claimed elsewhere";
+/// That caller's context.
+const CALLER: &str = "00-6cf92f3577b34da6a3ce929d0e0e4736-33f067aa0ba902b7-01";
+
+fn trace_of(traceparent: &str) -> &str {
+    &traceparent[3..35]
+}
+
+async fn post(
+    http: &reqwest::Client,
+    url: String,
+    traceparent: Option<&str>,
+    body: Value,
+) -> Value {
+    let mut request = http.post(url).json(&body);
+    if let Some(traceparent) = traceparent {
+        request = request.header("traceparent", traceparent);
+    }
+    let answer = request.send().await.unwrap();
+    assert!(answer.status().is_success(), "{}", answer.status());
+    answer.json().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_run_is_one_trace_linked_to_the_articles_it_waited_for() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new().await;
+    db.set("content_gen_timeout_s", "120").await;
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let llm = FakeLlm::start(move |_, request| {
+        if request.to_string().contains(ELSEWHERE) {
+            Reply::Gated {
+                open: gate.clone(),
+                content: ARTICLE.into(),
+            }
+        } else {
+            Reply::Ok(ARTICLE.into())
+        }
+    })
+    .await;
+    let env = [
+        ("NEWSNACK_LLM_URL", llm.url.as_str()),
+        ("RUST_LOG", "warn,newsnack=info"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.http.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let service = tokio::task::block_in_place(|| ServeProcess::spawn(&db.url, "scheduler", &env));
+    let base = service.base_url();
+    let http = reqwest::Client::new();
+    let (hub, _stop) = db.listener().await;
+
+    // Three stories; another caller claims one, whose article is held.
+    let added = post(
+        &http,
+        format!("{base}/issues"),
+        None,
+        json!({"issues": [
+            {"title": ELSEWHERE, "body": "Details.", "score": 3.0},
+            {"title": "Second story", "body": "Details.", "score": 2.0},
+            {"title": "Third story", "body": "Details.", "score": 1.0},
+        ]}),
+    )
+    .await;
+    let ids: Vec<i64> = serde_json::from_value(added["ids"].clone()).unwrap();
+    let (elsewhere, ours) = (ids[0], [ids[1], ids[2]]);
+    let claimed = post(
+        &http,
+        format!("{base}/ai-articles"),
+        Some(CALLER),
+        json!({"issue_ids": [elsewhere]}),
+    )
+    .await;
+    assert_eq!(claimed["claimed"], json!([elsewhere]));
+
+    // The scheduler's run claims and writes the other two, then waits for
+    // the held one.
+    db.set("schedule", "every 1s").await;
+    until_sql(
+        &db,
+        &hub,
+        60,
+        &format!(
+            "SELECT count(*) = 2 FROM issue WHERE processing_status = 'DONE' AND id IN ({}, {})",
+            ours[0], ours[1]
+        ),
+    )
+    .await;
+    db.set("schedule", "off").await;
+    open.send(true).unwrap();
+    until_sql_polled(
+        &db,
+        60,
+        "SELECT EXISTS (SELECT FROM pipeline_run WHERE outcome = 'all_pass')",
+    )
+    .await;
+    let run = db
+        .query_one(
+            "SELECT id, targets FROM pipeline_run WHERE outcome = 'all_pass'",
+            &[],
+        )
+        .await;
+    let (run_id, targets): (i64, Vec<i64>) = (run.get(0), run.get(1));
+    assert_eq!(targets, ids, "the run selected all three");
+
+    let run_id_text = run_id.to_string();
+    let spans = receiver
+        .until(
+            "the run's trace and the held article's generation",
+            |spans| {
+                let Some(root) = spans.iter().find(|s| {
+                    s.name == "pipeline run"
+                        && s.attributes.get("newsnack.run_id") == Some(&run_id_text)
+                }) else {
+                    return false;
+                };
+                let in_run = |name: &str| {
+                    spans
+                        .iter()
+                        .filter(|s| s.trace_id == root.trace_id && s.name == name)
+                        .count()
+                };
+                ["select", "wait", "briefing"]
+                    .iter()
+                    .all(|n| in_run(n) == 1)
+                    && in_run("generate") == 2
+                    && spans
+                        .iter()
+                        .any(|s| s.name == "generate" && s.trace_id == trace_of(CALLER))
+            },
+        )
+        .await;
+
+    // One trace, rooted in the run.
+    let root = spans
+        .iter()
+        .find(|s| s.name == "pipeline run" && s.attributes["newsnack.run_id"] == run_id_text)
+        .unwrap();
+    assert_eq!(root.parent_id, "", "the run is a root: {root:?}");
+    assert_eq!(root.attributes["newsnack.trigger"], "schedule");
+    assert_eq!(root.attributes["newsnack.outcome"], "all_pass");
+    let trace: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.trace_id == root.trace_id)
+        .collect();
+    let one = |name: &str| {
+        let found: Vec<&&Span> = trace.iter().filter(|s| s.name == name).collect();
+        assert_eq!(found.len(), 1, "one {name} span in the run: {trace:#?}");
+        *found[0]
+    };
+    let (select, wait, briefing) = (one("select"), one("wait"), one("briefing"));
+    for step in [select, wait, briefing] {
+        assert_eq!(
+            step.parent_id, root.id,
+            "{} is the run's: {step:?}",
+            step.name
+        );
+    }
+    assert_eq!(select.attributes["newsnack.targets"], "3");
+    assert_eq!(wait.attributes["newsnack.outcome"], "all_pass");
+    assert_eq!(
+        briefing
+            .attributes
+            .get("newsnack.briefing_id")
+            .map(String::as_str),
+        Some(
+            db.scalar_i64(&format!(
+                "SELECT briefing_id FROM pipeline_run WHERE id = {run_id}"
+            ))
+            .await
+            .to_string()
+            .as_str()
+        )
+    );
+    let claims: Vec<&&Span> = trace.iter().filter(|s| s.name == "claim").collect();
+    assert!(!claims.is_empty(), "no claim span in the run: {trace:#?}");
+    for claim in &claims {
+        assert_eq!(
+            claim.parent_id, root.id,
+            "the claim is the run's: {claim:?}"
+        );
+    }
+    let our_claim = claims
+        .iter()
+        .find(|c| c.attributes["newsnack.claimed"] == "2")
+        .unwrap_or_else(|| panic!("no claim of the run's two articles: {claims:#?}"));
+    let generated: Vec<&&Span> = trace.iter().filter(|s| s.name == "generate").collect();
+    for generate in &generated {
+        assert_eq!(generate.parent_id, our_claim.id, "{generate:?}");
+    }
+
+    // The wait is linked to each article's context: the run's own claim
+    // for its two, the other caller's claim for the held one.
+    let links: BTreeMap<&str, (&str, &str)> = wait
+        .links
+        .iter()
+        .map(|l| {
+            (
+                l.attributes["newsnack.issue_id"].as_str(),
+                (l.trace_id.as_str(), l.span_id.as_str()),
+            )
+        })
+        .collect();
+    let elsewhere_generation = spans
+        .iter()
+        .find(|s| s.name == "generate" && s.trace_id == trace_of(CALLER))
+        .unwrap();
+    let (elsewhere_text, ours_text) = (
+        elsewhere.to_string(),
+        [ours[0].to_string(), ours[1].to_string()],
+    );
+    let expected: BTreeMap<&str, (&str, &str)> = [
+        (
+            elsewhere_text.as_str(),
+            (trace_of(CALLER), elsewhere_generation.parent_id.as_str()),
+        ),
+        (
+            ours_text[0].as_str(),
+            (root.trace_id.as_str(), our_claim.id.as_str()),
+        ),
+        (
+            ours_text[1].as_str(),
+            (root.trace_id.as_str(), our_claim.id.as_str()),
+        ),
+    ]
+    .into();
+    assert_eq!(links, expected, "the wait's links: {:#?}", wait.links);
+    assert_eq!(wait.links.len(), 3, "{:#?}", wait.links);
+    for link in &wait.links {
+        assert_eq!(link.attributes["newsnack.link"], "waited_for", "{link:?}");
+    }
+}
