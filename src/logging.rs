@@ -16,7 +16,8 @@
 
 use std::io::Write;
 
-use tracing::{Event, Subscriber};
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::fmt::format::{JsonFields, Writer};
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
 use tracing_subscriber::layer::SubscriberExt;
@@ -28,8 +29,9 @@ use crate::telemetry::Export;
 
 /// Starts logging to stderr through [`LossyStderr`]; `RUST_LOG` picks
 /// levels (otherwise `default`), `NEWSNACK_LOG_FORMAT=json` switches to
-/// JSON lines. With `export`, the same spans (at the levels `RUST_LOG`
-/// lets through) also go to it ([`crate::telemetry`]).
+/// JSON lines. With `export`, newsnack's spans at `info` and above go to
+/// it ([`crate::telemetry`]) whatever `RUST_LOG` says: quiet logs must not
+/// empty the traces.
 pub fn init(default: &str, export: Option<&Export>) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let lines = tracing_subscriber::fmt::layer()
@@ -44,10 +46,10 @@ pub fn init(default: &str, export: Option<&Export>) {
         } else {
             lines.boxed()
         };
+    let exported = Targets::new().with_target("newsnack", Level::INFO);
     tracing_subscriber::registry()
-        .with(filter)
-        .with(export.map(|e| e.layer()))
-        .with(lines)
+        .with(export.map(|e| e.layer().with_filter(exported)))
+        .with(lines.with_filter(filter))
         .init();
 }
 

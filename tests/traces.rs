@@ -41,8 +41,11 @@ fn otel_env<'a>(llm: &'a FakeLlm, endpoint: &'a str) -> [(&'a str, &'a str); 7] 
     ]
 }
 
+/// A traced instance whose logs are quiet: `RUST_LOG` picks what the log
+/// lines show, never what the traces hold.
 fn serve(db: &TestDb, name: &str, llm: &FakeLlm, endpoint: &str) -> ServeProcess {
-    let env = otel_env(llm, endpoint);
+    let mut env = otel_env(llm, endpoint).to_vec();
+    env.push(("RUST_LOG", "error"));
     tokio::task::block_in_place(|| ServeProcess::spawn(&db.url, name, &env))
 }
 
