@@ -30,6 +30,12 @@
 //! `pg_stat_statements` with `track_functions = 'pl'` and reports, per run,
 //! the statements and functions that took the server's time (it costs the
 //! server time of its own: compare such runs only with each other).
+//! `BENCH_OTLP=1` starts a real OTLP receiver (the `rotel` collector the
+//! trace tests use, discarding what it receives) and runs this build with
+//! every span exported to it (`OTEL_TRACES_SAMPLER=always_on`) against the
+//! baseline with tracing off; without `BENCH_BASELINE_BIN` the baseline is
+//! this build, so the ratio is what exporting costs. Each run then reports
+//! the spans the receiver counted and those the service lost.
 //! `BENCH_DURABLE=0` turns fsync off (not the reference run);
 //! `BENCH_PG_SETTINGS=name=value,..` adds server settings, and
 //! `BENCH_KEEP_LOG=path` keeps the server's log there.
@@ -37,6 +43,10 @@
 //! `cargo bench --bench claimdrive`
 
 mod common;
+
+#[path = "../tests/common/python.rs"]
+#[allow(dead_code)]
+mod python;
 
 use common::{
     connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, round1, round3,
@@ -65,7 +75,14 @@ async fn main() {
     let this: PathBuf = std::env::var_os("BENCH_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_newsnack")));
-    let baseline: Option<PathBuf> = std::env::var_os("BENCH_BASELINE_BIN").map(PathBuf::from);
+    let otlp = (knob("BENCH_OTLP", 0) != 0).then_some(());
+    let baseline: Option<PathBuf> = std::env::var_os("BENCH_BASELINE_BIN")
+        .map(PathBuf::from)
+        .or_else(|| otlp.map(|()| this.clone()));
+    let receiver = match otlp {
+        Some(()) => Some(Receiver::start().await),
+        None => None,
+    };
 
     let mut settings = vec![("max_connections".to_string(), "200".to_string())];
     if statements {
@@ -97,6 +114,11 @@ async fn main() {
             .unwrap();
     }
 
+    let workload = Workload {
+        issues,
+        clients,
+        statements,
+    };
     let mut builds: Vec<(&str, &Path)> = Vec::new();
     if let Some(b) = &baseline {
         builds.push(("baseline", b));
@@ -107,10 +129,8 @@ async fn main() {
     for pair in 0..pairs {
         for &(name, bin) in &builds {
             let database = format!("claimdrive_{name}_{pair}");
-            let run = one_run(
-                &cluster, &admin, bin, &database, issues, clients, statements,
-            )
-            .await;
+            let export = receiver.as_ref().filter(|_| name == "this");
+            let run = one_run(&cluster, &admin, bin, &database, workload, export).await;
             let rps = run["requests_per_s"].as_f64().unwrap();
             let p99 = run["latency_ms_p99"].as_f64().unwrap();
             by_build.entry(name).or_default().push((rps, p99));
@@ -150,6 +170,7 @@ async fn main() {
         json!({
             "bench": "claimdrive",
             "durable": durable,
+            "exported_to_otlp_receiver": otlp.is_some(),
             "issues": issues,
             "clients": clients,
             "window": WINDOW,
@@ -162,6 +183,15 @@ async fn main() {
     );
 }
 
+/// What every run drives: the issues added, the clients, whether the
+/// server's statements are tracked.
+#[derive(Clone, Copy)]
+struct Workload {
+    issues: usize,
+    clients: usize,
+    statements: bool,
+}
+
 /// One run of `bin` on a fresh database: migrate, add the issues, serve,
 /// drive, wait for every issue to be `DONE`, check, stop.
 async fn one_run(
@@ -169,10 +199,14 @@ async fn one_run(
     admin: &tokio_postgres::Client,
     bin: &Path,
     database: &str,
-    issues: usize,
-    clients: usize,
-    statements: bool,
+    workload: Workload,
+    export: Option<&Receiver>,
 ) -> serde_json::Value {
+    let Workload {
+        issues,
+        clients,
+        statements,
+    } = workload;
     admin
         .batch_execute(&format!("CREATE DATABASE {database}"))
         .await
@@ -209,7 +243,19 @@ async fn one_run(
     let db_cpu_before = postgres_cpu_seconds(cluster);
     let wal_before = wal(admin).await;
     let work_before = database_work(admin, database).await;
-    let mut serve = Command::new(bin)
+    let spans_before = export.map(Receiver::spans);
+    let mut serve = Command::new(bin);
+    if let Some(receiver) = export {
+        serve
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint)
+            .env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+            .env("OTEL_TRACES_SAMPLER", "always_on");
+    } else {
+        serve
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    }
+    let mut serve = serve
         .arg("serve")
         .env("DATABASE_URL", &url)
         .env("NEWSNACK_LISTEN", format!("127.0.0.1:{port}"))
@@ -242,7 +288,14 @@ async fn one_run(
     // Every issue DONE: the writer finishes what was claimed.
     until_all_done(&db, issues, Duration::from_secs(120)).await;
     let serve_cpu = process_cpu_seconds(serve.id()) - serve_cpu_before;
+    let spans_lost = match export {
+        Some(_) => Some(spans_lost(&base).await),
+        None => None,
+    };
     stop(&mut serve);
+    let spans_received = export
+        .zip(spans_before)
+        .map(|(r, before)| r.settled() - before);
     let db_cpu = postgres_cpu_seconds(cluster) - db_cpu_before;
     let wal_after = wal(admin).await;
     let work: serde_json::Map<String, serde_json::Value> = database_work(admin, database)
@@ -292,6 +345,7 @@ async fn one_run(
         "database_work": work,
         "database_time": database_time,
         "backend_samples_while_driven": waits,
+        "spans_exported": { "received": spans_received, "lost": spans_lost },
     })
 }
 
@@ -563,4 +617,106 @@ async fn database_work(admin: &tokio_postgres::Client, database: &str) -> Vec<(&
     .enumerate()
     .map(|(i, name)| (name, row.get(i)))
     .collect()
+}
+
+/// A real OTLP receiver (`rotel-agent`, discarding what it receives) that
+/// counts the spans it took in on its log.
+struct Receiver {
+    child: std::process::Child,
+    log: PathBuf,
+    endpoint: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Receiver {
+    async fn start() -> Receiver {
+        let agent = python::rotel_agent().await;
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("received.txt");
+        let free = || {
+            TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+        };
+        let (grpc, http) = (free(), free());
+        let child = Command::new(&agent)
+            .args(["start", "--exporter", "blackhole"])
+            .args(["--debug-log", "traces", "--debug-log-verbosity", "basic"])
+            .args(["--otlp-grpc-endpoint", &grpc.to_string()])
+            .args(["--otlp-http-endpoint", &http.to_string()])
+            .arg("--pid-file")
+            .arg(dir.path().join("rotel.pid"))
+            .arg("--log-file")
+            .arg(dir.path().join("rotel.log"))
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", agent.display()));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(grpc).is_err() {
+            assert!(Instant::now() < deadline, "the receiver did not listen");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Receiver {
+            child,
+            log,
+            endpoint: format!("http://{grpc}"),
+            _dir: dir,
+        }
+    }
+
+    /// The spans received so far: the sum of its `spans=N` log fields.
+    fn spans(&self) -> u64 {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        // Its log is coloured: `spans` ESC[0m ESC[2m = ESC[0m 2.
+        let mut plain = String::with_capacity(text.len());
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find('\x1b') {
+            plain.push_str(&rest[..at]);
+            rest = rest[at..].split_once('m').map_or("", |(_, after)| after);
+        }
+        plain.push_str(rest);
+        plain
+            .lines()
+            .filter_map(|l| l.rsplit_once("spans=")?.1.split_whitespace().next())
+            .filter_map(|n| n.parse::<u64>().ok())
+            .sum()
+    }
+
+    /// The count once the service's last batches are in: unchanged for
+    /// half a second (the service has exited, so nothing more comes).
+    fn settled(&self) -> u64 {
+        let mut last = self.spans();
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let now = self.spans();
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The spans the service says it lost (`newsnack_trace_spans_lost_total`,
+/// every reason).
+async fn spans_lost(base: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("newsnack_trace_spans_lost_total"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
