@@ -917,7 +917,8 @@ CREATE FUNCTION @extschema@.newsnack_llm_settings(
     OUT fallback_max integer, OUT fallback_per_minute integer,
     OUT circuit_failures integer, OUT circuit_open_s integer, OUT fallback_for text,
     OUT day_budget bigint, OUT reserve bigint, OUT zone text)
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
     SELECT max(v) FILTER (WHERE k = 'llm_max_in_flight')::integer,
            max(v) FILTER (WHERE k = 'generation_concurrency')::integer,
            max(v) FILTER (WHERE k = 'llm_requests_per_minute')::integer,
@@ -929,19 +930,25 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
            max(v) FILTER (WHERE k = 'llm_daily_token_budget')::bigint,
            max(v) FILTER (WHERE k = 'llm_briefing_reserve_tokens')::bigint,
            max(v) FILTER (WHERE k = 'timezone')
+      INTO max_in_flight, per_holder, per_minute, fallback_max, fallback_per_minute,
+           circuit_failures, circuit_open_s, fallback_for, day_budget, reserve, zone
       FROM (SELECT sp.key, COALESCE(s.value, sp.default_value)
               FROM @extschema@.setting_spec sp LEFT JOIN @extschema@.setting s ON s.key = sp.key
              WHERE sp.key IN ('llm_max_in_flight', 'generation_concurrency', 'llm_requests_per_minute',
                               'llm_fallback_max_in_flight', 'llm_fallback_requests_per_minute',
                               'llm_circuit_failures', 'llm_circuit_open_s', 'llm_fallback_for',
-                              'llm_daily_token_budget', 'llm_briefing_reserve_tokens', 'timezone')) AS v(k, v)
+                              'llm_daily_token_budget', 'llm_briefing_reserve_tokens', 'timezone')) AS v(k, v);
+END
 $$;
 
 -- Whether a call of class `p_priority` may go to the fallback provider,
 -- by `llm_fallback_for` (`briefing`, `all` or `none`).
-CREATE FUNCTION @extschema@.newsnack_llm_may_fall_back(p_fallback_for text, p_priority text) RETURNS boolean
-LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT p_fallback_for = 'all' OR (p_fallback_for = 'briefing' AND p_priority = 'briefing')
+CREATE FUNCTION @extschema@.newsnack_llm_may_fall_back(p_fallback_for text, p_priority text)
+RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN p_fallback_for = 'all' OR (p_fallback_for = 'briefing' AND p_priority = 'briefing');
+END
 $$;
 
 -- Step 1, the holders: renews the holder's lease (or removes it, leaving,
@@ -1139,10 +1146,12 @@ $$;
 -- pause` and `newsnack resume`): while it is on, no call starts on any
 -- instance; calls in flight finish, and new calls queue.
 CREATE FUNCTION @extschema@.newsnack_llm_operator_paused() RETURNS boolean
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT COALESCE(s.value, sp.default_value) = 'true'
-      FROM @extschema@.setting_spec sp LEFT JOIN @extschema@.setting s ON s.key = sp.key
-     WHERE sp.key = 'generation_paused'
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN (SELECT COALESCE(s.value, sp.default_value) = 'true'
+              FROM @extschema@.setting_spec sp LEFT JOIN @extschema@.setting s ON s.key = sp.key
+             WHERE sp.key = 'generation_paused');
+END
 $$;
 
 -- Step 9, the grant: each holder's best waiting calls, as many as it may
@@ -1221,7 +1230,8 @@ $$;
 -- how many calls it holds in all, and whether some of them wait.
 CREATE FUNCTION @extschema@.newsnack_llm_holding(
     p_holder text, p_fallback_for text, OUT granted jsonb, OUT holding bigint, OUT waiting boolean)
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
     SELECT COALESCE(jsonb_agg(jsonb_build_object(
                'id', c.id, 'provider', c.provider, 'priority', c.priority,
                'on_failure', CASE WHEN c.provider = 'primary' AND h.has_fallback
@@ -1230,8 +1240,10 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                FILTER (WHERE c.granted_at IS NOT NULL), '[]'),
            count(*),
            bool_or(c.granted_at IS NULL)
+      INTO granted, holding, waiting
       FROM @extschema@.llm_call c JOIN @extschema@.llm_holder h ON h.holder = c.holder
-     WHERE c.holder = p_holder AND c.finished_at IS NULL
+     WHERE c.holder = p_holder AND c.finished_at IS NULL;
+END
 $$;
 
 -- Step 11, when the holder should ask again, if some of its calls wait for

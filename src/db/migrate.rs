@@ -159,6 +159,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../sql/0030_budget_steps.sql"),
     },
     Migration {
+        version: 31,
+        name: "cached steps",
+        sql: include_str!("../../sql/0031_cached_steps.sql"),
+    },
+    Migration {
         version: 32,
         name: "scale hint",
         sql: include_str!("../../sql/0032_scale_hint.sql"),
