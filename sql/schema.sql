@@ -110,6 +110,16 @@ ALTER TABLE @extschema@.ai_article
 -- The dashboard sums today's tokens (articles come in time order).
 CREATE INDEX ai_article_created_at_brin ON @extschema@.ai_article USING brin (created_at);
 
+-- The articles' tokens per quarter hour (UTC), appended by the triggers
+-- below and folded by the reaper (migration 36): the day in any time zone
+-- is a range of quarters.
+CREATE TABLE @extschema@.ai_article_tokens (
+    quarter           timestamptz NOT NULL,
+    prompt_tokens     bigint NOT NULL,
+    completion_tokens bigint NOT NULL
+);
+CREATE INDEX ai_article_tokens_quarter ON @extschema@.ai_article_tokens (quarter);
+
 -- Which settings exist, their defaults and their bounds (for the text
 -- kinds, `min_value` and `max_value` bound the length in characters; a
 -- `phrase_list` holds phrases separated by `|`).
@@ -145,7 +155,10 @@ CREATE TABLE @extschema@.briefing (
     issue_ids     bigint[] NOT NULL CONSTRAINT briefing_not_empty CHECK (cardinality(issue_ids) > 0),
     -- The readable document (Markdown): title, date, the articles in order.
     body          text NOT NULL,
-    created_at    timestamptz NOT NULL DEFAULT now()
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    -- Its articles' tokens when it was written (migration 36).
+    prompt_tokens     bigint NOT NULL DEFAULT 0,
+    completion_tokens bigint NOT NULL DEFAULT 0
 );
 ALTER TABLE @extschema@.briefing ADD CONSTRAINT briefing_created_at_in_range
     CHECK (created_at >= '0001-01-01 00:00:00+00' AND created_at < '10000-01-01 00:00:00+00')
@@ -1374,6 +1387,97 @@ BEGIN
 END
 $$;
 
+-- The articles' and the briefings' tokens (migration 36).
+
+-- The quarter hour an article written at `at` counts to.
+CREATE FUNCTION @extschema@.newsnack_quarter(at timestamptz) RETURNS timestamptz
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN to_timestamp(floor(extract(epoch FROM at) / 900) * 900);
+END
+$$;
+
+-- Inserts add, deletes take away, an update does both: one row per quarter
+-- per statement, none for articles without tokens.
+CREATE FUNCTION @extschema@.ai_article_tokens_added() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO @extschema@.ai_article_tokens (quarter, prompt_tokens, completion_tokens)
+        SELECT @extschema@.newsnack_quarter(created_at), sum(COALESCE(prompt_tokens, 0)),
+               sum(COALESCE(completion_tokens, 0))
+          FROM added WHERE prompt_tokens > 0 OR completion_tokens > 0 GROUP BY 1;
+    RETURN NULL;
+END
+$$;
+
+CREATE FUNCTION @extschema@.ai_article_tokens_removed() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO @extschema@.ai_article_tokens (quarter, prompt_tokens, completion_tokens)
+        SELECT @extschema@.newsnack_quarter(created_at), -sum(COALESCE(prompt_tokens, 0)),
+               -sum(COALESCE(completion_tokens, 0))
+          FROM removed WHERE prompt_tokens > 0 OR completion_tokens > 0 GROUP BY 1;
+    RETURN NULL;
+END
+$$;
+
+CREATE FUNCTION @extschema@.ai_article_tokens_changed() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    INSERT INTO @extschema@.ai_article_tokens (quarter, prompt_tokens, completion_tokens)
+        SELECT q, sum(p), sum(c)
+          FROM (SELECT @extschema@.newsnack_quarter(created_at), COALESCE(prompt_tokens, 0),
+                       COALESCE(completion_tokens, 0) FROM added
+                UNION ALL
+                SELECT @extschema@.newsnack_quarter(created_at), -COALESCE(prompt_tokens, 0),
+                       -COALESCE(completion_tokens, 0) FROM removed) AS d(q, p, c)
+         GROUP BY q HAVING sum(p) <> 0 OR sum(c) <> 0;
+    RETURN NULL;
+END
+$$;
+
+CREATE FUNCTION @extschema@.ai_article_tokens_truncated() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    TRUNCATE @extschema@.ai_article_tokens;
+    RETURN NULL;
+END
+$$;
+
+-- A briefing keeps the tokens of its articles as they are when it is
+-- written (or its issues change).
+CREATE FUNCTION @extschema@.briefing_count_tokens() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    SELECT COALESCE(sum(a.prompt_tokens), 0), COALESCE(sum(a.completion_tokens), 0)
+      INTO NEW.prompt_tokens, NEW.completion_tokens
+      FROM @extschema@.ai_article a WHERE a.issue_id = ANY(NEW.issue_ids);
+    RETURN NEW;
+END
+$$;
+
+-- Folds the rows into one per quarter once there are more than `above`,
+-- leaving out quarters over two days old (a day read begins at most 25
+-- hours ago); answers how many rows it folded (0 when it left them).
+-- Exact under concurrency, as `newsnack_fold_status_counts` is.
+CREATE FUNCTION @extschema@.newsnack_fold_article_tokens(above integer) RETURNS bigint LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    folded bigint;
+BEGIN
+    IF (SELECT count(*) FROM (SELECT 1 FROM @extschema@.ai_article_tokens LIMIT above + 1) r) <= above THEN
+        RETURN 0;
+    END IF;
+    WITH gone AS (DELETE FROM @extschema@.ai_article_tokens RETURNING *),
+         kept AS (INSERT INTO @extschema@.ai_article_tokens (quarter, prompt_tokens, completion_tokens)
+                      SELECT quarter, sum(prompt_tokens), sum(completion_tokens) FROM gone
+                       WHERE quarter >= now() - interval '2 days'
+                       GROUP BY quarter HAVING sum(prompt_tokens) <> 0 OR sum(completion_tokens) <> 0)
+    SELECT count(*) INTO folded FROM gone;
+    RETURN folded;
+END
+$$;
+
 -- Counts per status (migration 27).
 
 -- Inserts and deletes append one row per status per statement (a bulk
@@ -1516,6 +1620,20 @@ CREATE TRIGGER issue_status_count_on_update AFTER UPDATE ON @extschema@.issue
 CREATE TRIGGER issue_status_count_on_truncate AFTER TRUNCATE ON @extschema@.issue
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.issue_status_count_truncated();
 
+CREATE TRIGGER ai_article_tokens_on_insert AFTER INSERT ON @extschema@.ai_article
+    REFERENCING NEW TABLE AS added
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.ai_article_tokens_added();
+CREATE TRIGGER ai_article_tokens_on_delete AFTER DELETE ON @extschema@.ai_article
+    REFERENCING OLD TABLE AS removed
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.ai_article_tokens_removed();
+CREATE TRIGGER ai_article_tokens_on_update AFTER UPDATE ON @extschema@.ai_article
+    REFERENCING OLD TABLE AS removed NEW TABLE AS added
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.ai_article_tokens_changed();
+CREATE TRIGGER ai_article_tokens_on_truncate AFTER TRUNCATE ON @extschema@.ai_article
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.ai_article_tokens_truncated();
+CREATE TRIGGER briefing_count_tokens BEFORE INSERT OR UPDATE OF issue_ids ON @extschema@.briefing
+    FOR EACH ROW EXECUTE FUNCTION @extschema@.briefing_count_tokens();
+
 CREATE TRIGGER setting_validate BEFORE INSERT OR UPDATE ON @extschema@.setting
     FOR EACH ROW EXECUTE FUNCTION @extschema@.setting_validate();
 CREATE TRIGGER setting_announce AFTER INSERT OR UPDATE OR DELETE ON @extschema@.setting
@@ -1536,6 +1654,12 @@ REVOKE EXECUTE ON FUNCTION
     @extschema@.issue_status_count_changed(),
     @extschema@.issue_status_count_truncated(),
     @extschema@.newsnack_fold_status_counts(integer),
+    @extschema@.ai_article_tokens_added(),
+    @extschema@.ai_article_tokens_removed(),
+    @extschema@.ai_article_tokens_changed(),
+    @extschema@.ai_article_tokens_truncated(),
+    @extschema@.briefing_count_tokens(),
+    @extschema@.newsnack_fold_article_tokens(integer),
     @extschema@.setting_validate(),
     @extschema@.setting_announce(),
     @extschema@.setting_announce_truncation(),

@@ -20,8 +20,9 @@ use tokio_postgres::{AsyncMessage, Client, NoTls, Notification};
 
 /// Every table of the schema a granted role may read, as `grant` names
 /// them: all but `notification_key`, which signs the log's notifications.
-const TABLES: [&str; 15] = [
+const TABLES: [&str; 16] = [
     "ai_article",
+    "ai_article_tokens",
     "briefing",
     "issue",
     "issue_priority",
@@ -738,6 +739,9 @@ async fn shadow_everything(owned: &Owned, role: &str, client: &Client) -> usize 
             "integer" => "LANGUAGE sql AS 'SELECT 86400'".into(),
             "bigint" => "LANGUAGE sql AS 'SELECT 0::bigint'".into(),
             "text" => "LANGUAGE sql AS 'SELECT NULL::text'".into(),
+            "timestamp with time zone" => {
+                "LANGUAGE sql AS $$SELECT '2000-01-01'::timestamptz$$".into()
+            }
             "void" => "LANGUAGE sql AS ''".into(),
             // A function with OUT parameters (the LLM budget's exchange).
             "record" => {
@@ -1389,6 +1393,7 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
         } else if [
             "newsnack_rotate_notification_key",
             "newsnack_fold_status_counts",
+            "newsnack_fold_article_tokens",
         ]
         .contains(&name.as_str())
         {
@@ -1416,8 +1421,9 @@ async fn every_rule_runs_as_its_owner_with_a_fixed_search_path() {
             }
         }
     }
-    // 8, and the four that keep the counts per status (migration 27).
-    assert_eq!(triggers, 12);
+    // 8, the four that keep the counts per status (migration 27), and the
+    // five that keep the articles' and the briefings' tokens (migration 36).
+    assert_eq!(triggers, 17);
     // And every trigger on the tables runs one of them.
     let foreign: i64 = client
         .query_one(

@@ -1,7 +1,8 @@
-//! Queries on the LLM budget all instances share (migrations 17, 28, 29
-//! and 30): the one exchange a holder has with it, typed both ways, and what the dashboard and
-//! the metrics show of it, the day's tokens and the providers' state
-//! included.
+//! Queries on the LLM budget all instances share (migrations 17, 28, 29,
+//! 30, 31 and 36): the one exchange a holder has with it, typed both ways,
+//! and what the dashboard and the metrics show of it, read from kept rows:
+//! the day's tokens, the articles' and the latest briefing's tokens and the
+//! providers' state included.
 
 use std::time::Duration;
 
@@ -474,16 +475,30 @@ pub async fn day(client: &impl Sql) -> Result<DayView, DbError> {
 }
 
 /// Reads the budget, as of `client`'s snapshot; "today" starts at
-/// `today_began`.
+/// `today_began` (on a quarter hour, as midnight is in every time zone).
+/// Every figure is read from a kept row: the articles' tokens per quarter
+/// hour and the latest briefing's (migration 36), the calls from
+/// `llm_call`, which holds only calls waiting, in flight or ended within
+/// the minute.
 pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<BudgetView, DbError> {
     let row = client
         .sql()
         .query_typed_one(
-            "WITH live AS (
-                 SELECT c.* FROM llm_call c JOIN llm_holder h USING (holder)
-                  WHERE h.lease_until >= now() AND c.finished_at IS NULL
+            "WITH calls AS (
+                 SELECT count(*) FILTER (WHERE c.finished_at IS NULL AND c.granted_at IS NOT NULL
+                                           AND h.lease_until >= now()) AS in_flight,
+                        count(*) FILTER (WHERE c.granted_at >= now() - interval '1 minute') AS started,
+                        count(*) FILTER (WHERE c.finished_at IS NULL AND c.granted_at IS NULL
+                                           AND h.lease_until >= now() AND c.priority = 'briefing') AS briefing,
+                        count(*) FILTER (WHERE c.finished_at IS NULL AND c.granted_at IS NULL
+                                           AND h.lease_until >= now() AND c.priority = 'feed') AS feed
+                   FROM llm_call c JOIN llm_holder h USING (holder)
+             ), today AS (
+                 SELECT COALESCE(sum(prompt_tokens), 0)::bigint AS prompt,
+                        COALESCE(sum(completion_tokens), 0)::bigint AS completion
+                   FROM ai_article_tokens WHERE quarter >= $1
              ), latest AS (
-                 SELECT issue_ids FROM briefing ORDER BY id DESC LIMIT 1
+                 SELECT prompt_tokens, completion_tokens FROM briefing ORDER BY id DESC LIMIT 1
              )
              SELECT (SELECT COALESCE(s.value, sp.default_value)::bigint
                        FROM setting_spec sp LEFT JOIN setting s USING (key)
@@ -491,20 +506,14 @@ pub async fn view(client: &impl Sql, today_began: OffsetDateTime) -> Result<Budg
                     (SELECT COALESCE(s.value, sp.default_value)::bigint
                        FROM setting_spec sp LEFT JOIN setting s USING (key)
                       WHERE sp.key = 'llm_requests_per_minute'),
-                    (SELECT count(*) FROM live WHERE granted_at IS NOT NULL),
-                    (SELECT count(*) FROM llm_call WHERE granted_at >= now() - interval '1 minute'),
-                    (SELECT count(*) FROM live WHERE granted_at IS NULL AND priority = 'briefing'),
-                    (SELECT count(*) FROM live WHERE granted_at IS NULL AND priority = 'feed'),
+                    calls.in_flight, calls.started, calls.briefing, calls.feed,
                     (SELECT count(*) FROM llm_holder WHERE lease_until >= now()),
                     b.paused_until, b.paused_until > now(), b.pause_reason, b.paused_by,
-                    (SELECT COALESCE(sum(prompt_tokens), 0)::bigint FROM ai_article WHERE created_at >= $1),
-                    (SELECT COALESCE(sum(completion_tokens), 0)::bigint FROM ai_article WHERE created_at >= $1),
-                    (SELECT COALESCE(sum(a.prompt_tokens), 0)::bigint
-                       FROM ai_article a, latest WHERE a.issue_id = ANY(latest.issue_ids)),
-                    (SELECT COALESCE(sum(a.completion_tokens), 0)::bigint
-                       FROM ai_article a, latest WHERE a.issue_id = ANY(latest.issue_ids)),
+                    today.prompt, today.completion,
+                    COALESCE((SELECT prompt_tokens FROM latest), 0),
+                    COALESCE((SELECT completion_tokens FROM latest), 0),
                     newsnack_llm_operator_paused()
-               FROM llm_budget b",
+               FROM llm_budget b, calls, today",
             &[(&today_began, Type::TIMESTAMPTZ)],
         )
         .await?;
@@ -546,4 +555,19 @@ fn operator_pause(on: Option<bool>) -> Option<PauseView> {
         reason: Some("generation_paused: `newsnack resume` lets calls start".into()),
         by: Some("operator".into()),
     })
+}
+
+/// Folds the articles' token rows (`ai_article_tokens`) into one per
+/// quarter hour once there are more than `above` of them, dropping those
+/// no day read reaches any more (`newsnack_fold_article_tokens`, migration
+/// 36); answers how many rows it folded.
+pub async fn fold_article_tokens(client: &impl Sql, above: i32) -> Result<i64, DbError> {
+    Ok(client
+        .sql()
+        .query_typed_one(
+            "SELECT newsnack_fold_article_tokens($1)",
+            &[(&above, Type::INT4)],
+        )
+        .await?
+        .get(0))
 }

@@ -173,6 +173,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "trace context",
         sql: include_str!("../../sql/0034_trace_context.sql"),
     },
+    Migration {
+        version: 36,
+        name: "kept budget reads",
+        sql: include_str!("../../sql/0036_kept_budget_reads.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -7,7 +7,8 @@
 //! [`crate::db::issue::reap_expired`]), on that same session, so the
 //! instance holding the lock can reap however loaded its pool is; the
 //! retry scheduler then retries them. The same tick folds the deltas of
-//! the counts per status ([`crate::db::issue::fold_status_counts`]). If
+//! the counts per status ([`crate::db::issue::fold_status_counts`]) and
+//! the articles' tokens ([`crate::db::llm_budget::fold_article_tokens`]). If
 //! the holder dies, its session ends, the lock is free, and another
 //! instance takes over at its next tick. The lock itself (its session, pings, release, the metrics gauge)
 //! is [`AdvisoryLock`]'s; this file decides only when to take it.
@@ -18,7 +19,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::advisory::{self, AdvisoryLock};
-use crate::db::issue;
+use crate::db::{issue, llm_budget};
 use crate::settings::SettingsCache;
 
 /// The reaper service of one instance.
@@ -100,16 +101,19 @@ impl LeaseReaper {
     }
 }
 
-/// How many count deltas may pile up before a tick folds them.
+/// How many count deltas (or article token rows) may pile up before a
+/// tick folds them.
 const FOLD_ABOVE: i32 = 256;
 
 /// Reaps on the lock's own session: only while the lock is held, and
 /// whatever the pool's load (a saturated pool must not leave the lock
 /// held by an instance that cannot reap).
 async fn reap(held: &AdvisoryLock) -> Result<Vec<i64>, crate::db::DbError> {
-    // The counts' deltas are folded here too: one instance at a time, and
-    // often enough that reading the counts stays a sum over a few rows.
+    // The counts' deltas and the token rows are folded here too: one
+    // instance at a time, and often enough that reading them stays a sum
+    // over a few rows.
     issue::fold_status_counts(held.client(), FOLD_ABOVE).await?;
+    llm_budget::fold_article_tokens(held.client(), FOLD_ABOVE).await?;
     let mut all = Vec::new();
     loop {
         let batch = issue::reap_expired(held.client(), 500).await?;
