@@ -107,7 +107,15 @@ impl Export {
     where
         S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
     {
-        tracing_opentelemetry::layer().with_tracer(self.provider.tracer("newsnack"))
+        // Only what the spans say: where in the source, on which thread and
+        // how long idle cost a dozen attributes on every span and answer
+        // no editor's question.
+        tracing_opentelemetry::layer()
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_tracked_inactivity(false)
+            .with_tracer(self.provider.tracer("newsnack"))
     }
 
     /// Exports what is queued (waiting at most [`FLUSH_AT_EXIT`]) and stops.
