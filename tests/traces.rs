@@ -3,7 +3,10 @@
 //! `POST /issues`, the claim over HTTP and the database into the article's
 //! generation and its LLM call (with the GenAI attributes); an issue whose
 //! first instance died mid-generation is written by another, after the
-//! lease, in a new trace linked to the first; a plain-SQL writer's
+//! lease, in a new trace linked to the first; an answer rejected twice
+//! shows its checks, the re-ask, the error and the transitions, and the
+//! outcome's transition keeps the recording's context, which its retry
+//! links to; a plain-SQL writer's
 //! `newsnack.traceparent` is kept on the issue and its transition; an
 //! unsampled caller produces no spans; a receiver that is not there changes
 //! no answer and is counted.
@@ -445,4 +448,170 @@ async fn a_claim_taken_back_after_its_lease_is_written_in_a_new_trace_linked_to_
         "the retry's generation stretched the first trace"
     );
     drop(second);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_answer_is_asked_again_in_the_trace_and_its_retry_links_to_the_failure() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new().await;
+    // Two answers whose headline is too long (the first and the one asked
+    // again), then good ones.
+    let llm = FakeLlm::start(|n, _| match n {
+        0 | 1 => Reply::Ok(format!(
+            "{}\n\nThe council met.",
+            "Council ".repeat(20).trim_end()
+        )),
+        _ => Reply::WithUsage {
+            content: ARTICLE.into(),
+            usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
+        },
+    })
+    .await;
+    let service = serve(&db, "checked", &llm, &receiver.http);
+    let base = service.base_url();
+    let http = reqwest::Client::new();
+    let caller = "00-7bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let trace = trace_of(caller);
+    let (_, _, added) = post(
+        &http,
+        format!("{base}/issues"),
+        Some(caller),
+        json!({"issues": [{"title": "Checked story"}]}),
+    )
+    .await;
+    let id = added["ids"][0].as_i64().unwrap();
+    let claim = |traceparent: &'static str| {
+        let (http, url) = (http.clone(), format!("{base}/ai-articles"));
+        async move {
+            let (status, _, body) =
+                post(&http, url, Some(traceparent), json!({"issue_ids": [id]})).await;
+            assert_eq!(status, reqwest::StatusCode::ACCEPTED, "{body}");
+        }
+    };
+    let logged = |to: &'static str| {
+        let db = &db;
+        async move {
+            let sql = format!(
+                "SELECT traceparent FROM issue_transition WHERE issue_id = {id}
+                  AND to_status = '{to}' ORDER BY seq DESC LIMIT 1"
+            );
+            let kept: Option<String> = db.query_one(&sql, &[]).await.get(0);
+            kept.expect("the transition keeps a trace context")
+        }
+    };
+    let status_is =
+        |status: &str| format!("SELECT processing_status = '{status}' FROM issue WHERE id = {id}");
+
+    claim(caller).await;
+    until_sql_polled(&db, 60, &status_is("FAILED")).await;
+    let spans = receiver
+        .until("the failed generation and its recording", |spans| {
+            spans
+                .iter()
+                .any(|s| s.name == "issue.record" && s.trace_id == trace)
+                && spans
+                    .iter()
+                    .any(|s| s.name == "generate" && s.trace_id == trace)
+        })
+        .await;
+    let in_trace = |name: &str| -> Vec<&Span> {
+        spans
+            .iter()
+            .filter(|s| s.name == name && s.trace_id == trace)
+            .collect()
+    };
+    let generate = in_trace("generate")[0];
+    assert_eq!(generate.status, "ERROR", "{generate:#?}");
+    assert_eq!(generate.attributes["error.type"], "invalid_article");
+    let transitions: Vec<&str> = generate
+        .events
+        .iter()
+        .filter(|e| e.name == "newsnack.issue.transition")
+        .map(|e| e.attributes["newsnack.issue.status"].as_str())
+        .collect();
+    assert_eq!(transitions, ["IN_PROGRESS", "FAILED"], "{generate:#?}");
+    let mut checks = in_trace("article.check");
+    checks.sort_by_key(|s| s.attributes["newsnack.check.answer"].clone());
+    assert_eq!(checks.len(), 2, "{checks:#?}");
+    for (check, status) in checks.iter().zip(["UNSET", "ERROR"]) {
+        assert_eq!(check.parent_id, generate.id);
+        assert_eq!(check.status, status, "{check:#?}");
+        assert_eq!(check.attributes["newsnack.check.passed"], "false");
+        assert_eq!(
+            check.attributes["newsnack.check.rejected"],
+            "headline_length"
+        );
+    }
+    assert_eq!(checks[1].attributes["error.type"], "headline_length");
+    let reask = in_trace("article.reask")[0];
+    assert_eq!(reask.parent_id, generate.id);
+    assert!(
+        in_trace(CHAT).iter().any(|c| c.parent_id == reask.id),
+        "the second call is the re-ask's"
+    );
+    let wait = in_trace("llm.budget.wait")[0];
+    assert_eq!(wait.parent_id, generate.id);
+    assert_eq!(wait.attributes["newsnack.llm.provider"], "primary");
+    assert!(["briefing", "feed"].contains(&wait.attributes["newsnack.llm.class"].as_str()));
+    assert!(
+        wait.attributes["newsnack.budget.queued_ms"]
+            .parse::<f64>()
+            .unwrap()
+            >= 0.0
+    );
+    assert_eq!(wait.attributes["newsnack.budget.paused"], "false");
+    assert_eq!(wait.attributes["newsnack.budget.day_held"], "false");
+    let failed = in_trace("issue.record")[0];
+    assert_eq!(failed.parent_id, generate.id);
+    assert_eq!(failed.attributes["newsnack.outcome"], "failed");
+    assert_eq!(
+        failed.attributes.get("newsnack.fenced").map(String::as_str),
+        Some("written"),
+        "{failed:#?}"
+    );
+    // The FAILED transition keeps the recording's context.
+    assert_eq!(
+        logged("FAILED").await,
+        format!("00-{trace}-{}-01", failed.id)
+    );
+
+    // Asked for again by another caller: a new trace, linked to the failed
+    // attempt and to this claim.
+    let again = "00-8bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    claim(again).await;
+    until_sql_polled(&db, 60, &status_is("DONE")).await;
+    let is_retry = |s: &Span| {
+        s.name == "generate"
+            && s.attributes.get("newsnack.attempt").map(String::as_str) == Some("2")
+    };
+    let spans = receiver
+        .until("the retry's generation and its recording", |spans| {
+            spans.iter().filter(|s| is_retry(s)).any(|generate| {
+                spans
+                    .iter()
+                    .any(|s| s.name == "issue.record" && s.parent_id == generate.id)
+            })
+        })
+        .await;
+    let retry = spans.iter().find(|s| is_retry(s)).unwrap();
+    assert!(![trace, trace_of(again)].contains(&retry.trace_id.as_str()));
+    let links: BTreeMap<&str, (&str, &str)> = retry
+        .links
+        .iter()
+        .map(|l| {
+            let kind = l.attributes["newsnack.link"].as_str();
+            (kind, (l.trace_id.as_str(), l.span_id.as_str()))
+        })
+        .collect();
+    assert_eq!(links["previous_attempt"], (trace, failed.id.as_str()));
+    assert_eq!(links["claim"].0, trace_of(again));
+    let done = spans
+        .iter()
+        .find(|s| s.name == "issue.record" && s.parent_id == retry.id)
+        .unwrap();
+    assert_eq!(done.attributes["newsnack.outcome"], "done");
+    assert_eq!(
+        logged("DONE").await,
+        format!("00-{}-{}-01", retry.trace_id, done.id)
+    );
 }

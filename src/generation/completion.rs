@@ -68,14 +68,14 @@ pub(super) async fn record_unrecorded(
     error: &DbError,
 ) {
     let reason = format!("could not record the outcome: {error}");
+    let traceparent = crate::telemetry::current_traceparent();
     let released = patiently(claimed.id, lease, || async {
-        let client = pool.get().await?;
-        let fenced = issue::fail(
-            &pool.session(&client),
-            claimed.id,
-            claimed.claim_id,
+        let fenced = fail_in_context(
+            pool,
+            claimed,
             &reason,
             RetryPolicy::After(None),
+            traceparent.as_deref(),
         )
         .await?;
         match fenced {
@@ -131,16 +131,22 @@ async fn record_once(
     result: Result<Article, WriteError>,
     quota_pause: Option<Duration>,
 ) -> Result<Generated, DbError> {
+    // The span recording it (a child of the generation's), which the
+    // transition keeps.
+    let traceparent = crate::telemetry::current_traceparent();
     match result {
         Ok(article) => {
             let fenced = completer
-                .complete(Completion {
-                    id: claimed.id,
-                    claim_id: claimed.claim_id,
-                    headline: article.headline,
-                    body: article.body,
-                    usage: article.usage,
-                })
+                .complete(
+                    Completion {
+                        id: claimed.id,
+                        claim_id: claimed.claim_id,
+                        headline: article.headline,
+                        body: article.body,
+                        usage: article.usage,
+                    },
+                    traceparent,
+                )
                 .await?;
             match fenced {
                 Fenced::Written => Ok(Generated::Done),
@@ -158,21 +164,21 @@ async fn record_once(
             } else {
                 RetryPolicy::Never
             };
-            let mut client = pool.get().await?;
             let fenced = match quota_pause {
                 Some(pause) => {
-                    issue::fail_unspent(&mut client, claimed.id, claimed.claim_id, &reason, pause)
-                        .await?
-                }
-                None => {
-                    issue::fail(
-                        &pool.session(&client),
+                    let mut client = pool.get().await?;
+                    issue::fail_unspent(
+                        &mut client,
                         claimed.id,
                         claimed.claim_id,
                         &reason,
-                        retry,
+                        pause,
+                        traceparent.as_deref(),
                     )
                     .await?
+                }
+                None => {
+                    fail_in_context(pool, claimed, &reason, retry, traceparent.as_deref()).await?
                 }
             };
             match fenced {
@@ -187,6 +193,35 @@ async fn record_once(
     }
 }
 
+/// Fails `claimed` (fenced), in the trace context `traceparent` when there
+/// is one: then in a transaction of its own that sets it, else in one
+/// statement.
+async fn fail_in_context(
+    pool: &DbPool,
+    claimed: &ClaimedIssue,
+    reason: &str,
+    retry: RetryPolicy,
+    traceparent: Option<&str>,
+) -> Result<Fenced, DbError> {
+    let mut client = pool.get().await?;
+    match traceparent {
+        None => {
+            issue::fail(
+                &pool.session(&client),
+                claimed.id,
+                claimed.claim_id,
+                reason,
+                retry,
+            )
+            .await
+        }
+        Some(traceparent) => {
+            let (id, claim_id) = (claimed.id, claimed.claim_id);
+            issue::fail_traced(&mut client, id, claim_id, reason, retry, traceparent).await
+        }
+    }
+}
+
 /// Completion batches committing at once. One: every notifying commit
 /// queues behind the others, and claims should not wait behind several.
 const COMPLETION_LANES: usize = 1;
@@ -196,6 +231,8 @@ const MAX_COMPLETIONS_PER_BATCH: usize = 128;
 /// A completion waiting for its batch.
 struct PendingCompletion {
     completion: Completion,
+    /// The trace context its `DONE` transition keeps.
+    traceparent: Option<String>,
     answer: oneshot::Sender<Result<Fenced, DbError>>,
 }
 
@@ -216,11 +253,19 @@ impl Completer {
         Completer { batches }
     }
 
-    async fn complete(&self, completion: Completion) -> Result<Fenced, DbError> {
+    async fn complete(
+        &self,
+        completion: Completion,
+        traceparent: Option<String>,
+    ) -> Result<Fenced, DbError> {
         let stopped = || DbError::Invalid("the completer has stopped".into());
         let (answer, fenced) = oneshot::channel();
         self.batches
-            .submit(PendingCompletion { completion, answer })
+            .submit(PendingCompletion {
+                completion,
+                traceparent,
+                answer,
+            })
             .await
             .map_err(|_| stopped())?;
         fenced.await.map_err(|_| stopped())?
@@ -230,12 +275,23 @@ impl Completer {
 /// Records a batch in one statement (see [`each_or_alone`] for when it
 /// fails).
 async fn record_batch(pool: &DbPool, writer: &str, batch: Vec<PendingCompletion>) {
-    let (completions, answers): (Vec<Completion>, Vec<_>) =
-        batch.into_iter().map(|p| (p.completion, p.answer)).unzip();
-    let together = record_together(pool, writer, &completions).await;
+    let mut completions = Vec::with_capacity(batch.len());
+    let mut contexts = Vec::with_capacity(batch.len());
+    let mut answers = Vec::with_capacity(batch.len());
+    for pending in batch {
+        completions.push(pending.completion);
+        contexts.push(pending.traceparent);
+        answers.push(pending.answer);
+    }
+    let together = record_together(pool, writer, &completions, &contexts).await;
     let results = each_or_alone(together, completions.len(), |i| {
         let one = std::slice::from_ref(&completions[i]);
-        async move { record_together(pool, writer, one).await.map(|f| f[0]) }
+        let context = std::slice::from_ref(&contexts[i]);
+        async move {
+            record_together(pool, writer, one, context)
+                .await
+                .map(|f| f[0])
+        }
     })
     .await;
     for (answer, result) in answers.into_iter().zip(results) {
@@ -243,11 +299,17 @@ async fn record_batch(pool: &DbPool, writer: &str, batch: Vec<PendingCompletion>
     }
 }
 
+/// One statement for `completions`; with a trace context for any
+/// (`contexts`), one transaction setting each context for its own.
 async fn record_together(
     pool: &DbPool,
     writer: &str,
     completions: &[Completion],
+    contexts: &[Option<String>],
 ) -> Result<Vec<Fenced>, DbError> {
-    let client = pool.get().await?;
-    issue::complete(&pool.session(&client), completions, writer).await
+    let mut client = pool.get().await?;
+    if contexts.iter().all(Option::is_none) {
+        return issue::complete(&pool.session(&client), completions, writer).await;
+    }
+    issue::complete_in_contexts(&mut client, completions, contexts, writer).await
 }

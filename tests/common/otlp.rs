@@ -95,15 +95,20 @@ impl Receiver {
 
     /// Waits until the spans received satisfy `wanted` and returns them.
     /// Judges the whole set: a batch exporter may send a child's span and
-    /// its parent's in different batches. Fails after a minute, naming
-    /// what was received.
+    /// its parent's in different batches. Only a print that stayed the
+    /// same from one look to the next is judged: the collector writes a
+    /// span a line at a time, and a span read halfway lacks its last
+    /// attributes. Fails after a minute, naming what was received.
     pub async fn until(&self, what: &str, wanted: impl Fn(&[Span]) -> bool) -> Vec<Span> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut last = String::new();
         loop {
-            let spans = self.spans();
-            if wanted(&spans) {
+            let text = self.text();
+            let spans = decode(&text);
+            if text == last && wanted(&spans) {
                 return spans;
             }
+            last = text;
             if tokio::time::Instant::now() > deadline {
                 let seen: Vec<(&str, &str)> = spans
                     .iter()

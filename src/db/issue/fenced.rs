@@ -173,6 +173,70 @@ pub async fn complete(
         .collect())
 }
 
+/// Sets the W3C trace context the rest of transaction `tx` runs in
+/// (`SET LOCAL newsnack.traceparent`, migration 34): the transitions it
+/// logs keep it. `None` clears it.
+async fn in_trace(tx: &impl Sql, traceparent: Option<&str>) -> Result<(), DbError> {
+    tx.sql()
+        .execute_typed(
+            "SELECT set_config('newsnack.traceparent', $1, true)",
+            &[(&traceparent.unwrap_or(""), Type::TEXT)],
+        )
+        .await?;
+    Ok(())
+}
+
+/// [`complete`] of completions each made in its trace context
+/// (`contexts[i]` for `completions[i]`), in one transaction: the
+/// completions of one context are one statement, run with
+/// `newsnack.traceparent` set to it, so their `DONE` transitions keep it.
+pub async fn complete_in_contexts(
+    client: &mut deadpool_postgres::Client,
+    completions: &[Completion],
+    contexts: &[Option<String>],
+    writer: &str,
+) -> Result<Vec<Fenced>, DbError> {
+    let mut groups: Vec<(Option<&str>, Vec<usize>)> = Vec::new();
+    for (i, context) in contexts.iter().enumerate() {
+        let context = context.as_deref();
+        match groups.iter_mut().find(|(c, _)| *c == context) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((context, vec![i])),
+        }
+    }
+    let tx = client.transaction().await?;
+    let mut fenced = vec![Fenced::Lost; completions.len()];
+    for (context, members) in groups {
+        in_trace(&tx, context).await?;
+        let group: Vec<Completion> = members.iter().map(|&i| completions[i].clone()).collect();
+        for (i, outcome) in members
+            .into_iter()
+            .zip(complete(&tx, &group, writer).await?)
+        {
+            fenced[i] = outcome;
+        }
+    }
+    tx.commit().await?;
+    Ok(fenced)
+}
+
+/// [`fail`] in the trace context `traceparent`, which the `FAILED`
+/// transition keeps: one transaction.
+pub async fn fail_traced(
+    client: &mut deadpool_postgres::Client,
+    id: i64,
+    claim_id: i64,
+    reason: &str,
+    retry: RetryPolicy,
+    traceparent: &str,
+) -> Result<Fenced, DbError> {
+    let tx = client.transaction().await?;
+    in_trace(&tx, Some(traceparent)).await?;
+    let fenced = fail(&tx, id, claim_id, reason, retry).await?;
+    tx.commit().await?;
+    Ok(fenced)
+}
+
 /// Whether and when a failed issue may be retried automatically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryPolicy {
@@ -216,8 +280,8 @@ pub async fn fail(
     Ok(single_row_outcome(&row))
 }
 
-/// Fails a claim like [`fail`] (retryable, not before `retry_after`),
-/// giving its attempt back (migrations 9 and 10): the LLM refused the call
+/// Fails a claim like [`fail`] (retryable, not before `retry_after`), in
+/// the trace context `traceparent` if there is one, giving its attempt back (migrations 9 and 10): the LLM refused the call
 /// for its account's quota (a 429 or 503 with `Retry-After`), not for the
 /// article, so the retry after the pause does not use up `max_attempts`.
 pub async fn fail_unspent(
@@ -226,8 +290,12 @@ pub async fn fail_unspent(
     claim_id: i64,
     reason: &str,
     retry_after: Duration,
+    traceparent: Option<&str>,
 ) -> Result<Fenced, DbError> {
     let tx = client.transaction().await?;
+    if traceparent.is_some() {
+        in_trace(&tx, traceparent).await?;
+    }
     // Bound to this very transaction: the trigger compares it with its own
     // transaction id.
     tx.sql()

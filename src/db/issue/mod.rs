@@ -14,8 +14,8 @@ pub use claim::{
     CLAIM_STATEMENT, TRACED_CLAIM_STATEMENT,
 };
 pub use fenced::{
-    claim_current, complete, fail, fail_unspent, heartbeat, reap_expired, release, Completion,
-    Fenced, RetryPolicy, COMPLETE_STATEMENT,
+    claim_current, complete, complete_in_contexts, fail, fail_traced, fail_unspent, heartbeat,
+    reap_expired, release, Completion, Fenced, RetryPolicy, COMPLETE_STATEMENT,
 };
 pub use operator::{cancel, reset_failed, CancelOutcome, CANCELLED};
 pub use retry_state::{failed_with_attempts_left, retry_state, wait_targets, RetryState};

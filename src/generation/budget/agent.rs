@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 
-use super::calls::{Calls, Request};
+use super::calls::{Calls, Delays, Request};
 use crate::db::llm_budget::{self, CallToQueue, Exchange, ExchangeAnswer, Held, PauseInForce};
 use crate::db::{DbError, DbPool};
 use crate::events::hub::EventHub;
@@ -29,6 +29,8 @@ pub struct BudgetAgent {
     has_fallback: bool,
     inbox: mpsc::UnboundedReceiver<Request>,
     calls: Calls,
+    /// What holds calls back, for their spans.
+    delays: Arc<Delays>,
 }
 
 impl BudgetAgent {
@@ -41,6 +43,7 @@ impl BudgetAgent {
         instance: &str,
         has_fallback: bool,
         inbox: mpsc::UnboundedReceiver<Request>,
+        delays: Arc<Delays>,
     ) -> BudgetAgent {
         BudgetAgent {
             pool,
@@ -52,6 +55,7 @@ impl BudgetAgent {
             has_fallback,
             inbox,
             calls: Calls::default(),
+            delays,
         }
     }
 
@@ -84,6 +88,7 @@ impl BudgetAgent {
                             .flatten()
                             .min()
                             .map(|d| Instant::now() + d);
+                        self.delays.heard(answer.pause.is_some(), answer.held);
                         pause_seen = self.note_pause(answer.pause.as_ref(), pause_seen);
                         held_seen = note_held(&answer, held_seen);
                     }

@@ -1,13 +1,16 @@
 //! What generations ask of the agent ([`Request`]), and what the agent
 //! knows of its process's calls: those still to queue, waiting, running
-//! and ended, and what goes back to the budget in the next exchange.
+//! and ended, and what goes back to the budget in the next exchange; and
+//! what held calls back while they waited ([`Delays`]), for their spans.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use crate::db::llm_budget::{CallToQueue, ExchangeAnswer, ProviderReport, Route};
+use crate::db::llm_budget::{CallToQueue, ExchangeAnswer, Held, ProviderReport, Route};
+use crate::model::llm::Priority;
 
 /// What a claim's generation asks of the agent.
 pub(super) enum Request {
@@ -166,6 +169,76 @@ impl Calls {
             requeued.sort_by_key(|(id, _)| *id);
             self.to_queue
                 .splice(0..0, requeued.into_iter().map(|(_, waiter)| waiter));
+        }
+    }
+}
+
+/// What holds calls back, as the agent last heard from the budget: a
+/// pause of the primary's calls, a day whose tokens are spent. The agent
+/// writes it after every exchange; a waiting call compares it at its
+/// grant with what it was when it queued ([`WaitDelays`]).
+#[derive(Debug, Default)]
+pub(super) struct Delays {
+    /// Exchanges answered with a pause in force / a held day (either
+    /// kind) / every call held.
+    paused: AtomicU64,
+    held: AtomicU64,
+    held_all: AtomicU64,
+    /// In force at the last answer: 1 paused, 2 feed held, 4 all held.
+    now: AtomicU8,
+}
+
+impl Delays {
+    /// The budget answered with `paused` in force and `held` the day's
+    /// hold.
+    pub(super) fn heard(&self, paused: bool, held: Option<Held>) {
+        let count = |counter: &AtomicU64, yes: bool| {
+            if yes {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        count(&self.paused, paused);
+        count(&self.held, held.is_some());
+        count(&self.held_all, held == Some(Held::All));
+        let now = u8::from(paused)
+            | match held {
+                None => 0,
+                Some(Held::Feed) => 2,
+                Some(Held::All) => 4,
+            };
+        self.now.store(now, Ordering::Relaxed);
+    }
+
+    pub(super) fn seen(&self) -> [u64; 4] {
+        [
+            self.paused.load(Ordering::Relaxed),
+            self.held.load(Ordering::Relaxed),
+            self.held_all.load(Ordering::Relaxed),
+            u64::from(self.now.load(Ordering::Relaxed)),
+        ]
+    }
+}
+
+/// What held one call back while it waited for its grant: a pause of the
+/// primary's calls, a day's token budget holding its class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WaitDelays {
+    pub paused: bool,
+    pub day_held: bool,
+}
+
+impl WaitDelays {
+    /// From what [`Delays`] said when the call queued (`before`) and at its
+    /// grant (`after`), for a call of `class`.
+    pub(super) fn between(before: [u64; 4], after: [u64; 4], class: Priority) -> WaitDelays {
+        let [paused, held, held_all, now] = before;
+        let held_class = match class {
+            Priority::Feed => now & 6 != 0 || after[1] > held,
+            Priority::Briefing => now & 4 != 0 || after[2] > held_all,
+        };
+        WaitDelays {
+            paused: now & 1 != 0 || after[0] > paused,
+            day_held: held_class,
         }
     }
 }

@@ -29,4 +29,5 @@ pub mod failure;
 mod slot;
 
 pub use agent::BudgetAgent;
+pub use calls::WaitDelays;
 pub use slot::{CallSlot, LlmBudget};

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
 use super::agent::BudgetAgent;
-use super::calls::Request;
+use super::calls::{Delays, Request, WaitDelays};
 use crate::db::issue::ClaimedIssue;
 use crate::db::llm_budget::{CallToQueue, ProviderOutcome, ProviderReport, Route};
 use crate::db::DbPool;
@@ -21,6 +21,7 @@ use crate::settings::SettingsCache;
 #[derive(Clone)]
 pub struct LlmBudget {
     requests: mpsc::UnboundedSender<Request>,
+    delays: Arc<Delays>,
 }
 
 /// A granted call: hold it while the LLM answers. Dropping it gives the
@@ -33,9 +34,15 @@ pub struct CallSlot {
     tokens: i64,
     pause: Option<(Duration, String)>,
     report: Option<ProviderOutcome>,
+    delays: WaitDelays,
 }
 
 impl CallSlot {
+    /// What held the call back while it waited for this grant.
+    pub fn delays(&self) -> WaitDelays {
+        self.delays
+    }
+
     /// The provider the call goes to, its class, and what a failure of it
     /// means.
     pub fn route(&self) -> Route {
@@ -101,8 +108,17 @@ impl LlmBudget {
         has_fallback: bool,
     ) -> (LlmBudget, BudgetAgent) {
         let (requests, inbox) = mpsc::unbounded_channel();
-        let agent = BudgetAgent::new(pool, hub, settings, instance, has_fallback, inbox);
-        (LlmBudget { requests }, agent)
+        let delays = Arc::new(Delays::default());
+        let agent = BudgetAgent::new(
+            pool,
+            hub,
+            settings,
+            instance,
+            has_fallback,
+            inbox,
+            delays.clone(),
+        );
+        (LlmBudget { requests, delays }, agent)
     }
 
     /// Waits until the budget grants a call for `claimed`, at `priority`
@@ -122,6 +138,7 @@ impl LlmBudget {
             priority,
             fallback_only,
         };
+        let before = self.delays.seen();
         self.requests.send(Request::Queue { call, granted }).ok()?;
         let _waiting = crate::metrics::llm_call_waiting();
         let mut withdraw = WithdrawUnlessGranted {
@@ -138,6 +155,7 @@ impl LlmBudget {
             tokens: 0,
             pause: None,
             report: None,
+            delays: WaitDelays::between(before, self.delays.seen(), route.priority),
         })
     }
 

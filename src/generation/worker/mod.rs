@@ -28,11 +28,12 @@
 //! attempt back, so restarts do not use up issues' `max_attempts`.
 //!
 //! This file is one issue's life, from its slot to its recorded outcome;
-//! [`generator`] is the service that runs a task for each, and `gate.rs`
-//! where a task gets its slot.
+//! [`generator`] is the service that runs a task for each, `gate.rs`
+//! where a task gets its slot, and `spans.rs` the spans it is traced in.
 
 mod gate;
 mod generator;
+mod spans;
 
 pub use generator::{Generator, GeneratorHandle};
 
@@ -45,6 +46,7 @@ use tokio::sync::Notify;
 use crate::db::issue::{self, ClaimedIssue};
 use crate::db::{DbError, DbPool};
 use crate::generation::budget::failure::{self, Next};
+use crate::generation::budget::WaitDelays;
 use crate::generation::completion::{record_outcome, record_unrecorded, Completer, Generated};
 use crate::model::llm::{Priority, Provider};
 use crate::settings::{Settings, SettingsCache};
@@ -116,17 +118,29 @@ async fn generate(
     left_in_progress: Arc<Notify>,
 ) {
     let _in_flight = crate::metrics::generation_started();
+    // The claim that began it, as the span's first event.
+    spans::transition(&tracing::Span::current(), None, "IN_PROGRESS", None);
     let known = generation.settings.get().await.ok();
     let lease = known.as_ref().map_or(claimed.lease, |s| s.lease());
     let answered = AtomicBool::new(false);
     let work = async {
         let mut fallback_only = false;
         let (result, quota_pause, provider) = loop {
-            let Some(slot) = generation
-                .gate
-                .slot(&claimed, priority, fallback_only)
-                .await
-            else {
+            let wait = spans::BudgetWait::start(fallback_only);
+            let slot = tracing::Instrument::instrument(
+                generation.gate.slot(&claimed, priority, fallback_only),
+                wait.span.clone(),
+            )
+            .await;
+            match &slot {
+                Some(Slot::Shared(slot)) => {
+                    let route = slot.route();
+                    wait.granted(route.priority, route.provider, slot.delays());
+                }
+                _ => wait.ended(WaitDelays::default()),
+            }
+            drop(wait);
+            let Some(slot) = slot else {
                 return Ok(Generated::NotStarted);
             };
             if !fallback_only && !start.begin() {
@@ -144,19 +158,31 @@ async fn generate(
             }
         };
         answered.store(true, Ordering::Relaxed);
+        if let Err(e) = &result {
+            spans::record_error(&tracing::Span::current(), e.kind().as_str(), &e.to_string());
+        }
         let completer = match (&generation.fallback, provider) {
             (Some(fallback), Provider::Fallback) => &fallback.completer,
             _ => &generation.completer,
         };
-        record_outcome(
-            &generation.pool,
-            completer,
-            &claimed,
-            lease,
-            result,
-            quota_pause,
+        let record = spans::record_span(if result.is_ok() { "done" } else { "failed" });
+        let recorded = tracing::Instrument::instrument(
+            record_outcome(
+                &generation.pool,
+                completer,
+                &claimed,
+                lease,
+                result,
+                quota_pause,
+            ),
+            record.clone(),
         )
-        .await
+        .await;
+        match &recorded {
+            Ok(generated) => spans::recorded(&record, generated),
+            Err(e) => spans::record_error(&record, &spans::db_error_type(e), &e.to_string()),
+        }
+        recorded
     };
     tokio::pin!(work);
     let heartbeat = heartbeat_until_lost(&generation.pool, &claimed, lease);
@@ -178,7 +204,12 @@ async fn generate(
             () = left_in_progress.notified(), if !answered.load(Ordering::Relaxed) => {
                 // A transition out of IN_PROGRESS of this issue: this
                 // claim's end, unless it was an earlier claim's, announced
-                // late. The claim itself says which.
+                // late, or this generation's own failure, recorded since
+                // the branch was armed (the recording says what happened
+                // then). The claim itself says which.
+                if answered.load(Ordering::Relaxed) {
+                    continue;
+                }
                 if !claim_current(&generation.pool, &claimed).await {
                     crate::metrics::generation_cancelled();
                     break Ok(Generated::Abandoned);
@@ -191,7 +222,24 @@ async fn generate(
         tracing::error!(issue = claimed.id, error = %e, "could not record the outcome");
         record_unrecorded(&generation.pool, &claimed, lease, e).await;
     }
+    transitions_made(&outcome);
     log_outcome(&claimed, &outcome);
+}
+
+/// How the issue left `IN_PROGRESS` under this generation, as an event on
+/// its span.
+fn transitions_made(outcome: &Result<Generated, DbError>) {
+    let span = tracing::Span::current();
+    match outcome {
+        Ok(Generated::Done) => spans::transition(&span, Some("IN_PROGRESS"), "DONE", None),
+        Ok(Generated::Failed { reason, .. }) => {
+            spans::transition(&span, Some("IN_PROGRESS"), "FAILED", Some(reason))
+        }
+        // Left IN_PROGRESS under it, as the listener told.
+        Ok(Generated::Abandoned) => spans::transition(&span, Some("IN_PROGRESS"), "FAILED", None),
+        Ok(Generated::ClaimLost | Generated::NotStarted) => {}
+        Err(e) => spans::transition(&span, Some("IN_PROGRESS"), "FAILED", Some(&e.to_string())),
+    }
 }
 
 /// How a call of the writer ended.
@@ -286,7 +334,7 @@ async fn write_checked(
     let mut spent = tokens_spent(&first, prompt);
     slot.spent(spent);
     let first = first?;
-    let rejection = match checks.check(&first) {
+    let rejection = match spans::checked(1, || checks.check(&first)) {
         Ok(article) => return Ok(article),
         Err(rejection) => rejection,
     };
@@ -295,11 +343,15 @@ async fn write_checked(
     let problem = rejection.request_again();
     let prompt = prompt + token_bound(&[&first.answer, &problem]);
     slot.spent(spent + prompt);
-    let second = timed(provider, writer.write_again(issue, &first, &problem)).await;
+    let second = tracing::Instrument::instrument(
+        timed(provider, writer.write_again(issue, &first, &problem)),
+        spans::reask_span(rejection.check.as_str()),
+    )
+    .await;
     spent += tokens_spent(&second, prompt);
     slot.spent(spent);
     let second = second?;
-    match checks.check(&second) {
+    match spans::checked(2, || checks.check(&second)) {
         Ok(article) => Ok(Article {
             usage: first.usage.plus(second.usage),
             ..article
