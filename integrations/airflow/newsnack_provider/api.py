@@ -5,6 +5,9 @@ the service through this module. Blocking calls use the standard library
 (``urllib``); the trigger's wait uses ``aiohttp``, which Airflow itself
 depends on, so the triggerer's loop is never blocked.
 
+Every request carries the W3C trace context of the current OpenTelemetry
+span (:func:`trace_headers`), so a task's trace continues into newsnack's.
+
 Every refusal the service sends is ``{"error": "..."}`` with a 4xx/5xx
 status; it becomes a :class:`NewsnackError` subclass carrying the status and
 the message. :attr:`NewsnackError.retryable` says whether asking again can
@@ -101,7 +104,7 @@ class Service:
     token: Optional[str] = None
 
     def headers(self) -> Dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        headers = {"Content-Type": "application/json", "Accept": "application/json", **trace_headers()}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
@@ -167,6 +170,24 @@ class Service:
     def briefing(self, issue_ids: List[int]) -> Dict[str, Any]:
         """``POST /today-newsnack``: ``{"briefing_id", "issue_ids"}``."""
         return self.post("/today-newsnack", {"issue_ids": issue_ids})
+
+
+def trace_headers() -> Dict[str, str]:
+    """``traceparent`` (and ``tracestate``) of the current OpenTelemetry
+    span: in Airflow 3 the task's span (``worker.<task_id>``) or the
+    trigger's (``trigger.<task_id>``), which Airflow makes current while it
+    runs them with tracing on, or any span the DAG's code made current.
+    Empty when there is none, when the span is not valid (tracing off), or
+    without ``opentelemetry-api`` (Airflow 2.10 makes no span current in a
+    task: nothing is sent)."""
+    try:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    except ImportError:
+        return {}
+    carrier: Dict[str, str] = {}
+    # Injects nothing when the current span's context is not valid.
+    TraceContextTextMapPropagator().inject(carrier)
+    return {key: carrier[key] for key in ("traceparent", "tracestate") if carrier.get(key)}
 
 
 def wait_body(issue_ids: List[int], min_completion: Optional[int]) -> Dict[str, Any]:
