@@ -1,9 +1,9 @@
 //! A scheduled pipeline run is one trace, against a real OTLP receiver
 //! (`common::otlp`): the run's root span has its selection, claims, wait
 //! and briefing as children, the articles it claimed are generated under
-//! its claim, and its wait is linked to the context each article it
-//! waited for was worked in, as the database kept it, including one
-//! claimed by another caller in that caller's trace.
+//! its claim, and its wait is linked into each article's generation,
+//! where the database last kept its context, including one claimed by
+//! another caller, in that caller's trace.
 
 mod common;
 
@@ -146,6 +146,12 @@ async fn a_scheduled_run_is_one_trace_linked_to_the_articles_it_waited_for() {
                     && spans
                         .iter()
                         .any(|s| s.name == "generate" && s.trace_id == trace_of(CALLER))
+                    // The spans the wait links to have come too.
+                    && spans
+                        .iter()
+                        .filter(|s| s.trace_id == root.trace_id && s.name == "wait")
+                        .flat_map(|w| &w.links)
+                        .all(|l| spans.iter().any(|s| s.id == l.span_id))
             },
         )
         .await;
@@ -208,42 +214,42 @@ async fn a_scheduled_run_is_one_trace_linked_to_the_articles_it_waited_for() {
         assert_eq!(generate.parent_id, our_claim.id, "{generate:?}");
     }
 
-    // The wait is linked to each article's context: the run's own claim
-    // for its two, the other caller's claim for the held one.
-    let links: BTreeMap<&str, (&str, &str)> = wait
+    // The wait is linked to each article's generation, where the
+    // database last kept its context: in the run's trace for its two, in
+    // the other caller's for the held one.
+    let by_id: BTreeMap<&str, &Span> = spans.iter().map(|s| (s.id.as_str(), s)).collect();
+    let links: BTreeMap<String, &common::otlp::Link> = wait
         .links
         .iter()
-        .map(|l| {
-            (
-                l.attributes["newsnack.issue_id"].as_str(),
-                (l.trace_id.as_str(), l.span_id.as_str()),
-            )
-        })
+        .map(|l| (l.attributes["newsnack.issue_id"].clone(), l))
         .collect();
-    let elsewhere_generation = spans
-        .iter()
-        .find(|s| s.name == "generate" && s.trace_id == trace_of(CALLER))
-        .unwrap();
-    let (elsewhere_text, ours_text) = (
-        elsewhere.to_string(),
-        [ours[0].to_string(), ours[1].to_string()],
-    );
-    let expected: BTreeMap<&str, (&str, &str)> = [
-        (
-            elsewhere_text.as_str(),
-            (trace_of(CALLER), elsewhere_generation.parent_id.as_str()),
-        ),
-        (
-            ours_text[0].as_str(),
-            (root.trace_id.as_str(), our_claim.id.as_str()),
-        ),
-        (
-            ours_text[1].as_str(),
-            (root.trace_id.as_str(), our_claim.id.as_str()),
-        ),
-    ]
-    .into();
-    assert_eq!(links, expected, "the wait's links: {:#?}", wait.links);
+    for (issue, trace) in [
+        (elsewhere, trace_of(CALLER)),
+        (ours[0], root.trace_id.as_str()),
+        (ours[1], root.trace_id.as_str()),
+    ] {
+        let link = links
+            .get(&issue.to_string())
+            .unwrap_or_else(|| panic!("no link for issue {issue}: {:#?}", wait.links));
+        assert_eq!(link.trace_id, trace, "issue {issue}'s link: {link:?}");
+        let generation = spans
+            .iter()
+            .find(|s| {
+                s.name == "generate"
+                    && s.trace_id == trace
+                    && s.attributes["newsnack.issue_id"] == issue.to_string()
+            })
+            .unwrap_or_else(|| panic!("no generation of issue {issue} in trace {trace}"));
+        // The linked span is the generation or one of its own.
+        let mut at = by_id.get(link.span_id.as_str()).copied();
+        while let Some(span) = at.filter(|s| s.id != generation.id) {
+            at = by_id.get(span.parent_id.as_str()).copied();
+        }
+        assert!(
+            at.is_some(),
+            "issue {issue}'s link {link:?} is not within its generation {generation:?}"
+        );
+    }
     assert_eq!(wait.links.len(), 3, "{:#?}", wait.links);
     for link in &wait.links {
         assert_eq!(link.attributes["newsnack.link"], "waited_for", "{link:?}");
