@@ -244,6 +244,7 @@ async fn one_run(
     let wal_before = wal(admin).await;
     let work_before = database_work(admin, database).await;
     let spans_before = export.map(Receiver::spans);
+    let receiver_cpu_before = export.map(|r| process_cpu_seconds(r.child.id()));
     let mut serve = Command::new(bin);
     if let Some(receiver) = export {
         serve
@@ -296,6 +297,9 @@ async fn one_run(
     let spans_received = export
         .zip(spans_before)
         .map(|(r, before)| r.settled() - before);
+    let receiver_cpu = export
+        .zip(receiver_cpu_before)
+        .map(|(r, before)| process_cpu_seconds(r.child.id()) - before);
     let db_cpu = postgres_cpu_seconds(cluster) - db_cpu_before;
     let wal_after = wal(admin).await;
     let work: serde_json::Map<String, serde_json::Value> = database_work(admin, database)
@@ -340,7 +344,11 @@ async fn one_run(
         "claimed": driven.claimed,
         "claimed_twice": driven.claimed_twice,
         "issues_without_exactly_one_article": not_one_article,
-        "cpu_s": { "serve": round3(serve_cpu), "postgres": round3(db_cpu) },
+        "cpu_s": {
+            "serve": round3(serve_cpu),
+            "postgres": round3(db_cpu),
+            "otlp_receiver": receiver_cpu.map(round3),
+        },
         "wal": wal_delta,
         "database_work": work,
         "database_time": database_time,
