@@ -8,8 +8,9 @@
 //! outcome's transition keeps the recording's context, which its retry
 //! links to; a plain-SQL writer's
 //! `newsnack.traceparent` is kept on the issue and its transition; an
-//! unsampled caller produces no spans; a receiver that is not there changes
-//! no answer and is counted.
+//! unsampled caller produces no spans; a receiver that is not there, or
+//! that never answers, changes no answer, holds up no request and is
+//! counted.
 
 mod common;
 
@@ -17,7 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::otlp::{free_port, Receiver, Span};
+use common::otlp::{free_port, Receiver, Span, Stalled};
 use common::process::{Output, ServeProcess};
 use common::{until_sql_polled, within, TestDb};
 use serde_json::{json, Value};
@@ -69,6 +70,36 @@ async fn post(
         .get("traceparent")
         .map(|v| v.to_str().unwrap().to_string());
     (status, returned, answer.json().await.unwrap())
+}
+
+/// Waits (at most a minute) until the service at `base` counts spans lost
+/// to a failed export.
+async fn until_export_failed(http: &reqwest::Client, base: &str) {
+    within(60, "the failed export is counted", async {
+        loop {
+            let text = http
+                .get(format!("{base}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let lost = text
+                .lines()
+                .find(|l| {
+                    l.starts_with("newsnack_trace_spans_lost_total{reason=\"export_failed\"}")
+                })
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0);
+            if lost > 0.0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
 }
 
 async fn usage_llm() -> FakeLlm {
@@ -285,31 +316,7 @@ async fn a_receiver_that_is_not_there_changes_no_answer_and_is_counted() {
         &format!("SELECT processing_status = 'DONE' FROM issue WHERE id = {id}"),
     )
     .await;
-    within(60, "the failed export is counted", async {
-        loop {
-            let text = http
-                .get(format!("{base}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            let lost = text
-                .lines()
-                .find(|l| {
-                    l.starts_with("newsnack_trace_spans_lost_total{reason=\"export_failed\"}")
-                })
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0);
-            if lost > 0.0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await;
+    until_export_failed(&http, &base).await;
 
     // The request's log line names the caller's trace and the request's span.
     let text = std::fs::read_to_string(logs.path()).unwrap();
@@ -613,5 +620,65 @@ async fn a_rejected_answer_is_asked_again_in_the_trace_and_its_retry_links_to_th
     assert_eq!(
         logged("DONE").await,
         format!("00-{}-{}-01", retry.trace_id, done.id)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_answers_slowly_changes_no_answer_and_holds_no_request() {
+    let db = TestDb::new().await;
+    let llm = usage_llm().await;
+    // Each export waits out its timeout (5 s) at a collector that never
+    // answers; a request that waited for one would take that long.
+    let stalled = Stalled::start().await;
+    let mut env = otel_env(&llm, &stalled.url).to_vec();
+    env.retain(|(name, _)| *name != "OTEL_EXPORTER_OTLP_TIMEOUT");
+    env.push(("OTEL_EXPORTER_OTLP_TIMEOUT", "5000"));
+    let service = tokio::task::block_in_place(|| ServeProcess::spawn(&db.url, "stalled", &env));
+    let base = service.base_url();
+    let http = reqwest::Client::new();
+    let caller = "00-9bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut ids = Vec::new();
+    let mut slowest = Duration::ZERO;
+    for n in 0..12 {
+        let started = std::time::Instant::now();
+        let (status, returned, added) = post(
+            &http,
+            format!("{base}/issues"),
+            Some(caller),
+            json!({"issues": [{"title": format!("Story {n}")}]}),
+        )
+        .await;
+        assert_eq!(status, reqwest::StatusCode::CREATED);
+        assert_eq!(returned.as_deref().map(trace_of), Some(trace_of(caller)));
+        let id = added["ids"][0].as_i64().unwrap();
+        let (status, _, claimed) = post(
+            &http,
+            format!("{base}/ai-articles"),
+            Some(caller),
+            json!({"issue_ids": [id]}),
+        )
+        .await;
+        assert_eq!(status, reqwest::StatusCode::ACCEPTED, "{claimed}");
+        assert_eq!(claimed["claimed"], json!([id]), "{claimed}");
+        slowest = slowest.max(started.elapsed());
+        ids.push(id);
+    }
+    assert!(
+        slowest < Duration::from_millis(2500),
+        "adding and claiming took {slowest:?} at worst: a request waited for the export"
+    );
+    until_sql_polled(
+        &db,
+        60,
+        &format!(
+            "SELECT count(*) = {} FROM issue WHERE processing_status = 'DONE'",
+            ids.len()
+        ),
+    )
+    .await;
+    until_export_failed(&http, &base).await;
+    assert!(
+        stalled.accepted() > 0,
+        "the exporter never reached the collector"
     );
 }

@@ -238,3 +238,45 @@ fn attribute(attributes: &mut BTreeMap<String, String>, arrowed: Option<&str>) {
     let value = inner.strip_suffix(')').unwrap_or(inner);
     attributes.insert(key.to_string(), value.to_string());
 }
+
+/// A collector that takes connections and never answers (a stalled
+/// one): every export to it waits out the exporter's timeout.
+pub struct Stalled {
+    /// `http://ADDR`.
+    pub url: String,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Stalled {
+    pub async fn start() -> Stalled {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = accepted.clone();
+        let task = tokio::spawn(async move {
+            // Held open, never read from nor answered.
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(socket);
+            }
+        });
+        Stalled {
+            url,
+            accepted,
+            task,
+        }
+    }
+
+    /// How many connections exporters opened to it.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Stalled {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
