@@ -429,8 +429,9 @@ fn answer_headers(
 
 /// The span of one article's generation, when spans are exported. On the
 /// issue's first attempt it is a child of the context it was claimed in
-/// (`claimed_in`). A later attempt (a retry, or a claim taken back after
-/// its lease ran out) starts a new trace, sampled on its own, linked to
+/// (`claimed_in`). A `retry` (a later attempt, or an automatic retry whose
+/// attempt was given back, or a claim taken back after its lease ran out)
+/// starts a new trace, sampled on its own, linked to
 /// the earlier attempt's context (`earlier`, link attribute
 /// `newsnack.link` = `previous_attempt`) and to its own claim's
 /// (`claim`): a retry hours later neither stretches the first trace nor
@@ -438,6 +439,7 @@ fn answer_headers(
 pub fn generation_span(
     issue: i64,
     attempts: i32,
+    retry: bool,
     claimed_in: Option<&str>,
     earlier: Option<&str>,
 ) -> tracing::Span {
@@ -453,7 +455,7 @@ pub fn generation_span(
         newsnack.attempt = attempts,
     );
     let claimed_in = claimed_in.and_then(remote_context);
-    if attempts <= 1 {
+    if !retry {
         if let Some(claimed_in) = claimed_in {
             let _ = span.set_parent(claimed_in);
         }

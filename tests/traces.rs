@@ -6,7 +6,8 @@
 //! lease, in a new trace linked to the first; an answer rejected twice
 //! shows its checks, the re-ask, the error and the transitions, and the
 //! outcome's transition keeps the recording's context, which its retry
-//! links to; a plain-SQL writer's
+//! links to; a rate limit's pause shows on the wait it delayed, and the
+//! paused attempt's retry is linked too; a plain-SQL writer's
 //! `newsnack.traceparent` is kept on the issue and its transition; an
 //! unsampled caller produces no spans; a receiver that is not there, or
 //! that never answers, changes no answer, holds up no request and is
@@ -18,9 +19,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::otlp::{free_port, Receiver, Span, Stalled};
+use common::otlp::{free_port, until_export_failed, Receiver, Span, Stalled};
 use common::process::{Output, ServeProcess};
-use common::{until_sql_polled, within, TestDb};
+use common::{until_sql_polled, TestDb};
 use serde_json::{json, Value};
 
 const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
@@ -70,36 +71,6 @@ async fn post(
         .get("traceparent")
         .map(|v| v.to_str().unwrap().to_string());
     (status, returned, answer.json().await.unwrap())
-}
-
-/// Waits (at most a minute) until the service at `base` counts spans lost
-/// to a failed export.
-async fn until_export_failed(http: &reqwest::Client, base: &str) {
-    within(60, "the failed export is counted", async {
-        loop {
-            let text = http
-                .get(format!("{base}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            let lost = text
-                .lines()
-                .find(|l| {
-                    l.starts_with("newsnack_trace_spans_lost_total{reason=\"export_failed\"}")
-                })
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0);
-            if lost > 0.0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await;
 }
 
 async fn usage_llm() -> FakeLlm {
@@ -680,5 +651,124 @@ async fn a_receiver_that_answers_slowly_changes_no_answer_and_holds_no_request()
     assert!(
         stalled.accepted() > 0,
         "the exporter never reached the collector"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_shows_on_the_wait_it_delayed_and_the_paused_attempt_is_retried_linked() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new().await;
+    db.set("retry_backoff_ms", "50").await;
+    // The first call meets a rate limit that pauses every call for 2 s.
+    let llm = FakeLlm::start(|n, _| match n {
+        0 => Reply::RateLimited { retry_after_s: 2 },
+        _ => Reply::WithUsage {
+            content: ARTICLE.into(),
+            usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
+        },
+    })
+    .await;
+    let service = serve(&db, "paused", &llm, &receiver.http);
+    let base = service.base_url();
+    let http = reqwest::Client::new();
+    let (_, _, added) = post(
+        &http,
+        format!("{base}/issues"),
+        None,
+        json!({"issues": [{"title": "Limited story"}, {"title": "Delayed story"}]}),
+    )
+    .await;
+    let (limited, delayed) = (
+        added["ids"][0].as_i64().unwrap(),
+        added["ids"][1].as_i64().unwrap(),
+    );
+    let first = "00-abf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let second = "00-bbf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (status, _, _) = post(
+        &http,
+        format!("{base}/ai-articles"),
+        Some(first),
+        json!({"issue_ids": [limited]}),
+    )
+    .await;
+    assert_eq!(status, reqwest::StatusCode::ACCEPTED);
+    until_sql_polled(
+        &db,
+        30,
+        "SELECT COALESCE(paused_until > now(), false) FROM llm_budget",
+    )
+    .await;
+    let (status, _, _) = post(
+        &http,
+        format!("{base}/ai-articles"),
+        Some(second),
+        json!({"issue_ids": [delayed]}),
+    )
+    .await;
+    assert_eq!(status, reqwest::StatusCode::ACCEPTED);
+    until_sql_polled(
+        &db,
+        60,
+        "SELECT count(*) = 2 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+
+    let of = |id: i64| {
+        move |s: &&Span| s.name == "generate" && s.attributes["newsnack.issue_id"] == id.to_string()
+    };
+    let spans = receiver
+        .until("both issues' generations, the limited one twice", |spans| {
+            spans.iter().filter(of(limited)).count() == 2
+                && spans.iter().filter(of(delayed)).count() == 1
+                && spans.iter().filter(|s| s.name == "issue.record").count() == 3
+        })
+        .await;
+    let child = |parent: &Span, name: &str| -> Span {
+        spans
+            .iter()
+            .find(|s| s.name == name && s.parent_id == parent.id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} under {parent:#?}"))
+    };
+    // The delayed issue's wait says the pause held it.
+    let generate = spans.iter().find(of(delayed)).unwrap();
+    assert_eq!(generate.trace_id, trace_of(second));
+    let wait = child(generate, "llm.budget.wait");
+    assert_eq!(
+        wait.attributes["newsnack.budget.paused"], "true",
+        "{wait:#?}"
+    );
+    assert_eq!(
+        wait.attributes["newsnack.budget.day_held"], "false",
+        "{wait:#?}"
+    );
+    // The limited call failed its generation, in the caller's trace; the
+    // retry (its attempt given back, so still attempt 1) is a new trace
+    // linked to the failure's recording.
+    let limited_spans: Vec<&Span> = spans.iter().filter(of(limited)).collect();
+    let failed = limited_spans
+        .iter()
+        .find(|s| s.trace_id == trace_of(first))
+        .expect("the first attempt in the caller's trace");
+    assert_eq!(failed.status, "ERROR");
+    assert_eq!(failed.attributes["error.type"], "rate_limited");
+    let recorded = child(failed, "issue.record");
+    let retry = limited_spans
+        .iter()
+        .find(|s| s.trace_id != trace_of(first))
+        .expect("the retry in a trace of its own");
+    assert_eq!(retry.attributes["newsnack.attempt"], "1");
+    let previous: Vec<(&str, &str)> = retry
+        .links
+        .iter()
+        .filter(|l| {
+            l.attributes.get("newsnack.link").map(String::as_str) == Some("previous_attempt")
+        })
+        .map(|l| (l.trace_id.as_str(), l.span_id.as_str()))
+        .collect();
+    assert_eq!(
+        previous,
+        [(trace_of(first), recorded.id.as_str())],
+        "{retry:#?}"
     );
 }

@@ -732,6 +732,7 @@ mod tests {
             lease_until: time::OffsetDateTime::UNIX_EPOCH,
             lease: std::time::Duration::from_secs(60),
             traceparent: None,
+            retry: false,
         };
         let text = IssueText::new(&claimed, Prompts::DEFAULT);
         assert_eq!((text.id, text.title, text.body), (7, "Title", "Body."));

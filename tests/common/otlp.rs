@@ -1,7 +1,9 @@
 //! A real OTLP receiver for the trace tests: the `rotel` collector
 //! ([`super::python::rotel_agent`]), bound to loopback, printing
 //! every span it receives in full, and the decoding of that print into
-//! spans with their attributes, status, events and links.
+//! spans with their attributes, status, events and links; a stalled
+//! collector that never answers; and the wait for a service to count its
+//! failed exports.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -279,4 +281,34 @@ impl Drop for Stalled {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Waits (at most a minute) until the service at `base` counts spans lost
+/// to a failed export.
+pub async fn until_export_failed(http: &reqwest::Client, base: &str) {
+    within(60, "the failed export is counted", async {
+        loop {
+            let text = http
+                .get(format!("{base}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let lost = text
+                .lines()
+                .find(|l| {
+                    l.starts_with("newsnack_trace_spans_lost_total{reason=\"export_failed\"}")
+                })
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0);
+            if lost > 0.0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
 }

@@ -26,6 +26,10 @@ pub struct ClaimedIssue {
     pub lease: Duration,
     /// The W3C trace context the claim was made in, if any.
     pub traceparent: Option<String>,
+    /// Whether the issue was tried before this claim: a later attempt, or
+    /// an automatic retry (whose attempt may have been given back, so its
+    /// count says 1 again).
+    pub retry: bool,
 }
 
 /// What a claim did with each requested id.
@@ -160,6 +164,7 @@ pub async fn claim_issues_traced(
                 lease_until: r.get(5),
                 lease,
                 traceparent: traceparent.map(str::to_owned),
+                retry: r.get::<_, i32>(2) > 1 || matches!(scope, ClaimScope::RetryBelow(_)),
             }),
             None => {
                 done.insert(r.get(0));

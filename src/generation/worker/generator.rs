@@ -289,14 +289,14 @@ impl Generator {
 }
 
 /// The span `claimed`'s generation runs in
-/// ([`crate::telemetry::generation_span`]); for a later attempt, linked to
-/// the earlier attempt's context, read from the log.
+/// ([`crate::telemetry::generation_span`]); for a retry, linked to the
+/// earlier attempt's context, read from the log.
 async fn generation_span(pool: &DbPool, claimed: &ClaimedIssue) -> tracing::Span {
     if !crate::telemetry::exporting() {
         return tracing::Span::none();
     }
     let mut earlier = None;
-    if claimed.attempts > 1 {
+    if claimed.retry {
         let read = async {
             let client = pool.get().await?;
             issue::earlier_traceparent(&pool.session(&client), claimed.id, claimed.claim_id).await
@@ -311,6 +311,7 @@ async fn generation_span(pool: &DbPool, claimed: &ClaimedIssue) -> tracing::Span
     crate::telemetry::generation_span(
         claimed.id,
         claimed.attempts,
+        claimed.retry,
         claimed.traceparent.as_deref(),
         earlier.as_deref(),
     )
