@@ -7,7 +7,8 @@
 //! shows its checks, the re-ask, the error and the transitions, and the
 //! outcome's transition keeps the recording's context, which its retry
 //! links to; a rate limit's pause shows on the wait it delayed, and the
-//! paused attempt's retry is linked too; a plain-SQL writer's
+//! paused attempt's retry is linked too, and a held day on its wait; a
+//! plain-SQL writer's
 //! `newsnack.traceparent` is kept on the issue and its transition; an
 //! unsampled caller produces no spans; a receiver that is not there, or
 //! that never answers, changes no answer, holds up no request and is
@@ -19,67 +20,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::fake_llm::{FakeLlm, Reply};
-use common::otlp::{free_port, until_export_failed, Receiver, Span, Stalled};
+use common::otlp::{
+    free_port, otel_env, post, serve, trace_of, until_export_failed, usage_llm, usage_reply,
+    Receiver, Span, Stalled, CHAT, MODEL,
+};
 use common::process::{Output, ServeProcess};
 use common::{until_sql_polled, TestDb};
 use serde_json::{json, Value};
-
-const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
-const MODEL: &str = "trace-model";
-/// The LLM call's span: `chat <model>`, as the GenAI conventions name it.
-const CHAT: &str = "chat trace-model";
-
-/// The trace id of a `traceparent`.
-fn trace_of(traceparent: &str) -> &str {
-    &traceparent[3..35]
-}
-
-fn otel_env<'a>(llm: &'a FakeLlm, endpoint: &'a str) -> [(&'a str, &'a str); 7] {
-    [
-        ("NEWSNACK_LLM_URL", llm.url.as_str()),
-        ("NEWSNACK_LLM_MODEL", MODEL),
-        ("RUST_LOG", "warn,newsnack=info"),
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
-        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000"),
-    ]
-}
-
-/// A traced instance whose logs are quiet: `RUST_LOG` picks what the log
-/// lines show, never what the traces hold.
-fn serve(db: &TestDb, name: &str, llm: &FakeLlm, endpoint: &str) -> ServeProcess {
-    let mut env = otel_env(llm, endpoint).to_vec();
-    env.push(("RUST_LOG", "error"));
-    tokio::task::block_in_place(|| ServeProcess::spawn(&db.url, name, &env))
-}
-
-async fn post(
-    http: &reqwest::Client,
-    url: String,
-    traceparent: Option<&str>,
-    body: Value,
-) -> (reqwest::StatusCode, Option<String>, Value) {
-    let mut request = http.post(url).json(&body);
-    if let Some(traceparent) = traceparent {
-        request = request.header("traceparent", traceparent);
-    }
-    let answer = request.send().await.unwrap();
-    let status = answer.status();
-    let returned = answer
-        .headers()
-        .get("traceparent")
-        .map(|v| v.to_str().unwrap().to_string());
-    (status, returned, answer.json().await.unwrap())
-}
-
-async fn usage_llm() -> FakeLlm {
-    FakeLlm::start(|_, _| Reply::WithUsage {
-        content: ARTICLE.into(),
-        usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
-    })
-    .await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callers_trace_runs_through_the_database_into_the_generation_and_its_llm_call() {
@@ -316,10 +263,7 @@ async fn a_claim_taken_back_after_its_lease_is_written_in_a_new_trace_linked_to_
     // answers.
     let llm = FakeLlm::start(|n, _| match n {
         0 => Reply::Hang,
-        _ => Reply::WithUsage {
-            content: ARTICLE.into(),
-            usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
-        },
+        _ => usage_reply(),
     })
     .await;
     let mut first = serve(&db, "first", &llm, &receiver.http);
@@ -439,10 +383,7 @@ async fn a_rejected_answer_is_asked_again_in_the_trace_and_its_retry_links_to_th
             "{}\n\nThe council met.",
             "Council ".repeat(20).trim_end()
         )),
-        _ => Reply::WithUsage {
-            content: ARTICLE.into(),
-            usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
-        },
+        _ => usage_reply(),
     })
     .await;
     let service = serve(&db, "checked", &llm, &receiver.http);
@@ -662,10 +603,7 @@ async fn a_pause_shows_on_the_wait_it_delayed_and_the_paused_attempt_is_retried_
     // The first call meets a rate limit that pauses every call for 2 s.
     let llm = FakeLlm::start(|n, _| match n {
         0 => Reply::RateLimited { retry_after_s: 2 },
-        _ => Reply::WithUsage {
-            content: ARTICLE.into(),
-            usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
-        },
+        _ => usage_reply(),
     })
     .await;
     let service = serve(&db, "paused", &llm, &receiver.http);
@@ -770,5 +708,83 @@ async fn a_pause_shows_on_the_wait_it_delayed_and_the_paused_attempt_is_retried_
         previous,
         [(trace_of(first), recorded.id.as_str())],
         "{retry:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_day_shows_on_the_wait_it_delayed() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new().await;
+    // The first article's 46 tokens spend the day's budget.
+    db.set("llm_daily_token_budget", "40").await;
+    db.set("llm_briefing_reserve_tokens", "0").await;
+    let llm = usage_llm().await;
+    let service = serve(&db, "held", &llm, &receiver.http);
+    let base = service.base_url();
+    let http = reqwest::Client::new();
+    let mut ids = Vec::new();
+    for title in ["Spending story", "Held story"] {
+        let (_, _, added) = post(
+            &http,
+            format!("{base}/issues"),
+            None,
+            json!({"issues": [{"title": title}]}),
+        )
+        .await;
+        let id = added["ids"][0].as_i64().unwrap();
+        let (status, _, _) = post(
+            &http,
+            format!("{base}/ai-articles"),
+            None,
+            json!({"issue_ids": [id]}),
+        )
+        .await;
+        assert_eq!(status, reqwest::StatusCode::ACCEPTED);
+        ids.push(id);
+        // The first is written (and its tokens counted) before the second
+        // is asked for; the second waits, held, until the budget grows.
+        let done = "SELECT count(*) = 1 FROM issue WHERE processing_status = 'DONE'";
+        until_sql_polled(&db, 60, done).await;
+    }
+    until_sql_polled(
+        &db,
+        60,
+        "SELECT EXISTS (SELECT 1 FROM llm_call WHERE granted_at IS NULL)",
+    )
+    .await;
+    db.set("llm_daily_token_budget", "100000").await;
+    until_sql_polled(
+        &db,
+        60,
+        "SELECT count(*) = 2 FROM issue WHERE processing_status = 'DONE'",
+    )
+    .await;
+    let held = ids[1].to_string();
+    let spans = receiver
+        .until("the held issue's wait", |spans| {
+            spans.iter().any(|s| {
+                s.name == "generate"
+                    && s.attributes["newsnack.issue_id"] == held
+                    && spans
+                        .iter()
+                        .any(|w| w.name == "llm.budget.wait" && w.parent_id == s.id)
+            })
+        })
+        .await;
+    let generate = spans
+        .iter()
+        .find(|s| s.name == "generate" && s.attributes["newsnack.issue_id"] == held)
+        .unwrap();
+    let wait = spans
+        .iter()
+        .find(|w| w.name == "llm.budget.wait" && w.parent_id == generate.id)
+        .unwrap();
+    assert_eq!(
+        wait.attributes["newsnack.budget.day_held"], "true",
+        "{wait:#?}"
+    );
+    assert_eq!(
+        wait.attributes["newsnack.budget.paused"], "false",
+        "{wait:#?}"
     );
 }

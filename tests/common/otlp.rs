@@ -3,14 +3,19 @@
 //! every span it receives in full, and the decoding of that print into
 //! spans with their attributes, status, events and links; a stalled
 //! collector that never answers; and the wait for a service to count its
-//! failed exports.
+//! failed exports; a request with a caller's `traceparent`; a traced
+//! instance and the LLM it calls.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::within;
+use serde_json::{json, Value};
+
+use super::fake_llm::{FakeLlm, Reply};
+use super::process::ServeProcess;
+use super::{within, TestDb};
 
 /// One span as the receiver printed it.
 #[derive(Debug, Clone, Default)]
@@ -311,4 +316,70 @@ pub async fn until_export_failed(http: &reqwest::Client, base: &str) {
         }
     })
     .await;
+}
+
+/// The trace id of a `traceparent`.
+pub fn trace_of(traceparent: &str) -> &str {
+    &traceparent[3..35]
+}
+
+/// POSTs `body` (JSON) to `url` with `traceparent`: the answer's status,
+/// its `traceparent` and its body.
+pub async fn post(
+    http: &reqwest::Client,
+    url: String,
+    traceparent: Option<&str>,
+    body: Value,
+) -> (reqwest::StatusCode, Option<String>, Value) {
+    let mut request = http.post(url).json(&body);
+    if let Some(traceparent) = traceparent {
+        request = request.header("traceparent", traceparent);
+    }
+    let answer = request.send().await.unwrap();
+    let status = answer.status();
+    let returned = answer
+        .headers()
+        .get("traceparent")
+        .map(|v| v.to_str().unwrap().to_string());
+    (status, returned, answer.json().await.unwrap())
+}
+
+pub const ARTICLE: &str = "A headline\n\nFirst paragraph of the article.\n\nSecond paragraph.";
+pub const MODEL: &str = "trace-model";
+/// The LLM call's span: `chat <model>`, as the GenAI conventions name it.
+pub const CHAT: &str = "chat trace-model";
+
+/// The environment of an instance exporting to `endpoint` quickly, its
+/// LLM `llm`.
+pub fn otel_env<'a>(llm: &'a FakeLlm, endpoint: &'a str) -> [(&'a str, &'a str); 7] {
+    [
+        ("NEWSNACK_LLM_URL", llm.url.as_str()),
+        ("NEWSNACK_LLM_MODEL", MODEL),
+        ("RUST_LOG", "warn,newsnack=info"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000"),
+    ]
+}
+
+/// A traced instance whose logs are quiet: `RUST_LOG` picks what the log
+/// lines show, never what the traces hold.
+pub fn serve(db: &TestDb, name: &str, llm: &FakeLlm, endpoint: &str) -> ServeProcess {
+    let mut env = otel_env(llm, endpoint).to_vec();
+    env.push(("RUST_LOG", "error"));
+    tokio::task::block_in_place(|| ServeProcess::spawn(&db.url, name, &env))
+}
+
+/// An article reporting 17 prompt and 29 completion tokens.
+pub fn usage_reply() -> Reply {
+    Reply::WithUsage {
+        content: ARTICLE.into(),
+        usage: json!({"prompt_tokens": 17, "completion_tokens": 29, "total_tokens": 46}),
+    }
+}
+
+/// A fake LLM answering every call with [`usage_reply`].
+pub async fn usage_llm() -> FakeLlm {
+    FakeLlm::start(|_, _| usage_reply()).await
 }

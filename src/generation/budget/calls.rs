@@ -242,3 +242,33 @@ impl WaitDelays {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_is_delayed_by_what_was_in_force_when_it_queued_or_heard_since() {
+        let delays = Delays::default();
+        let before = delays.seen();
+        let none = WaitDelays::default();
+        assert_eq!(WaitDelays::between(before, before, Priority::Feed), none);
+        // A feed hold delays feed calls only.
+        delays.heard(false, Some(Held::Feed));
+        let after = delays.seen();
+        let held = WaitDelays {
+            paused: false,
+            day_held: true,
+        };
+        assert_eq!(WaitDelays::between(before, after, Priority::Feed), held);
+        assert_eq!(WaitDelays::between(before, after, Priority::Briefing), none);
+        // In force when the call queued, though nothing new was heard.
+        delays.heard(true, Some(Held::All));
+        let now = delays.seen();
+        let both = WaitDelays {
+            paused: true,
+            day_held: true,
+        };
+        assert_eq!(WaitDelays::between(now, now, Priority::Briefing), both);
+    }
+}
