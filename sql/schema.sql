@@ -583,6 +583,9 @@ DECLARE
     logged_at pg_catalog.timestamptz;
     fields pg_catalog.text;
     signing_key pg_catalog.bytea;
+    context pg_catalog.text;
+    issue_contexts pg_catalog.text;
+    named_at pg_catalog.int4;
 BEGIN
     IF TG_OP OPERATOR(pg_catalog.=) 'UPDATE' THEN
         -- Not a transition (`processing_status` is never NULL).
@@ -608,6 +611,16 @@ BEGIN
     END IF;
     fatal := NEW.processing_status OPERATOR(pg_catalog.=) 'FAILED'
         AND COALESCE(NEW.retry_not_before OPERATOR(pg_catalog.=) 'infinity'::pg_catalog.timestamptz, false);
+    -- The writing transaction's trace context, or the issue's own where
+    -- one statement wrote for several contexts (`newsnack.issue_traceparents`,
+    -- `,<id>=<traceparent>,..`: a claim or completions made together).
+    context := pg_catalog.current_setting('newsnack.traceparent', true);
+    issue_contexts := pg_catalog.current_setting('newsnack.issue_traceparents', true);
+    named_at := pg_catalog.strpos(issue_contexts, ',' OPERATOR(pg_catalog.||) NEW.id OPERATOR(pg_catalog.||) '=');
+    IF named_at OPERATOR(pg_catalog.>) 0 THEN
+        context := pg_catalog.substr(issue_contexts,
+            named_at OPERATOR(pg_catalog.+) pg_catalog.length(NEW.id::pg_catalog.text) OPERATOR(pg_catalog.+) 2, 55);
+    END IF;
     SELECT k.key INTO signing_key FROM @extschema@.notification_key k;
     -- Serialise `seq` allocation with commit order (see 0002).
     IF pg_catalog.pg_advisory_xact_lock(7236284560371893001) IS NULL THEN NULL; END IF;
@@ -622,9 +635,8 @@ BEGIN
         NEW.claimed_by,
         CASE WHEN NEW.processing_status OPERATOR(pg_catalog.=) 'FAILED' THEN NEW.last_error END,
         fatal,
-        -- The writing transaction's trace context (migration 34); an
-        -- issue's first transition falls back on the issue's own.
-        COALESCE(@extschema@.newsnack_traceparent(pg_catalog.current_setting('newsnack.traceparent', true)),
+        -- An issue's first transition falls back on the issue's own.
+        COALESCE(@extschema@.newsnack_traceparent(context),
                  CASE WHEN TG_OP OPERATOR(pg_catalog.=) 'INSERT' THEN NEW.traceparent END)
     )
     RETURNING seq, at INTO logged_seq, logged_at;
@@ -865,6 +877,23 @@ CREATE FUNCTION @extschema@.newsnack_claim_traced(
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM set_config('newsnack.traceparent', COALESCE(traceparent, ''), true);
+    RETURN QUERY SELECT * FROM @extschema@.newsnack_claim(ids, holder, lease_s, retry_below);
+END
+$$;
+
+-- The same with one context per id (migration 37), for a claim made for
+-- several requests at once: each issue's claim transition keeps its own
+-- (`newsnack.issue_traceparents`, read by `issue_transition_record`).
+CREATE FUNCTION @extschema@.newsnack_claim_traced(
+    ids bigint[], holder text, lease_s double precision, retry_below integer, traceparents text[]
+) RETURNS TABLE (id bigint, claim_id bigint, attempts integer, title text, body text,
+                 lease_until timestamptz)
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM set_config('newsnack.issue_traceparents',
+        COALESCE(',' || string_agg(c.id || '=' || c.traceparent, ','), ''), true)
+       FROM unnest(ids, traceparents) AS c(id, traceparent)
+      WHERE c.traceparent IS NOT NULL;
     RETURN QUERY SELECT * FROM @extschema@.newsnack_claim(ids, holder, lease_s, retry_below);
 END
 $$;
@@ -1665,6 +1694,7 @@ REVOKE EXECUTE ON FUNCTION
     @extschema@.setting_announce_truncation(),
     @extschema@.newsnack_claim(bigint[], text, double precision, integer),
     @extschema@.newsnack_claim_traced(bigint[], text, double precision, integer, text),
+    @extschema@.newsnack_claim_traced(bigint[], text, double precision, integer, text[]),
     @extschema@.newsnack_complete(bigint[], bigint[], text[], text[], text, integer[], integer[]),
     @extschema@.newsnack_rotate_notification_key()
 FROM PUBLIC;

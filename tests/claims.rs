@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{within, TestDb};
-use newsnack::db::issue::{claim_issues, complete, ClaimScope, Completion, Fenced};
+use newsnack::db::issue::{
+    claim_issues, claim_issues_traced, complete, complete_in_contexts, ClaimScope, Completion,
+    Fenced,
+};
 use newsnack::db::DbPool;
 use tokio::sync::Barrier;
 
@@ -321,6 +324,72 @@ async fn the_completion_is_kept_per_session_with_its_generic_plan() {
         done, 8,
         "each completion wrote its issue's article and set it DONE"
     );
+}
+
+/// Requests in different trace contexts share one claim statement, and
+/// completions finishing together one transaction: each issue's
+/// transitions keep the context of its own request or generation, not the
+/// first one's (`newsnack.issue_traceparents`, migration 37).
+#[tokio::test]
+async fn one_statement_for_several_trace_contexts_keeps_each_issues_own() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(3).await;
+    let a = "00-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-aaaaaaaaaaaaaaaa-01";
+    let b = "00-bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb-bbbbbbbbbbbbbbbb-01";
+    let mut client = db.pool.get().await.unwrap();
+    let outcome = claim_issues_traced(
+        &client,
+        &ids,
+        &[Some(a), Some(b), None],
+        "w",
+        LEASE,
+        ClaimScope::Claimable,
+    )
+    .await
+    .unwrap();
+    let carried: Vec<Option<&str>> = outcome
+        .claimed
+        .iter()
+        .map(|c| c.traceparent.as_deref())
+        .collect();
+    assert_eq!(carried, [Some(a), Some(b), None]);
+    let sql = db.raw().await;
+    let kept = |to: &'static str| {
+        let sql = &sql;
+        async move {
+            let rows = sql
+                .query(
+                    "SELECT traceparent FROM issue_transition
+                      WHERE to_status = $1::text ORDER BY issue_id",
+                    &[&to],
+                )
+                .await
+                .unwrap();
+            rows.iter()
+                .map(|r| r.get::<_, Option<String>>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    let owned = |v: [Option<&str>; 3]| v.map(|t| t.map(str::to_owned)).to_vec();
+    assert_eq!(kept("IN_PROGRESS").await, owned([Some(a), Some(b), None]));
+
+    let completions: Vec<Completion> = outcome
+        .claimed
+        .iter()
+        .map(|c| Completion {
+            id: c.id,
+            claim_id: c.claim_id,
+            headline: "h".into(),
+            body: "b".into(),
+            usage: Default::default(),
+        })
+        .collect();
+    let contexts = owned([Some(b), None, Some(a)]);
+    let written = complete_in_contexts(&mut client, &completions, &contexts, "w")
+        .await
+        .unwrap();
+    assert_eq!(written, vec![Fenced::Written; 3]);
+    assert_eq!(kept("DONE").await, contexts);
 }
 
 #[tokio::test]

@@ -110,17 +110,18 @@ impl Claimer {
 }
 
 /// Runs a batch: one claim statement (its own transaction) per kind of
-/// request (lease, scope and trace context), over the union of their ids,
-/// split back by first requester (see [`each_or_alone`] for when a
-/// statement fails).
+/// request (lease and scope), over the union of their ids, each id in the
+/// trace context of the request that asked first, split back by first
+/// requester (see [`each_or_alone`] for when a statement fails). Traced
+/// requests each have a context of their own: they still share one
+/// statement.
 async fn run_batch(pool: &DbPool, worker: &str, batch: Vec<ClaimRequest>) {
     let mut kinds: Vec<Vec<ClaimRequest>> = Vec::new();
     for request in batch {
-        match kinds.iter_mut().find(|k| {
-            k[0].lease == request.lease
-                && k[0].scope == request.scope
-                && k[0].traceparent == request.traceparent
-        }) {
+        match kinds
+            .iter_mut()
+            .find(|k| k[0].lease == request.lease && k[0].scope == request.scope)
+        {
             Some(kind) => kind.push(request),
             None => kinds.push(vec![request]),
         }
@@ -202,13 +203,17 @@ async fn claim_together(
     let all: Vec<i64> = first_asker.keys().copied().collect();
     let first = &requests[0];
     let client = pool.get().await?;
+    let contexts: Vec<Option<&str>> = all
+        .iter()
+        .map(|id| requests[first_asker[id]].traceparent.as_deref())
+        .collect();
     let together = issue::claim_issues_traced(
         &pool.session(&client),
         &all,
+        &contexts,
         worker,
         first.lease,
         first.scope,
-        first.traceparent.as_deref(),
     )
     .await?;
     drop(client);
@@ -231,13 +236,14 @@ async fn claim_alone(
     r: &ClaimRequest,
 ) -> Result<ClaimOutcome, DbError> {
     let client = pool.get().await?;
+    let contexts = vec![r.traceparent.as_deref(); r.ids.len()];
     issue::claim_issues_traced(
         &pool.session(&client),
         &r.ids,
+        &contexts,
         worker,
         r.lease,
         r.scope,
-        r.traceparent.as_deref(),
     )
     .await
 }

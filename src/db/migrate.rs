@@ -178,6 +178,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "kept budget reads",
         sql: include_str!("../../sql/0036_kept_budget_reads.sql"),
     },
+    Migration {
+        version: 37,
+        name: "claim contexts",
+        sql: include_str!("../../sql/0037_claim_contexts.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

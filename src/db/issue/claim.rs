@@ -85,11 +85,11 @@ pub enum ClaimScope {
 pub const CLAIM_STATEMENT: &str =
     "SELECT id, claim_id, attempts, title, body, lease_until FROM newsnack_claim($1, $2, $3, $4)";
 
-/// [`CLAIM_STATEMENT`] in a trace context, `$5`, which the claim's
-/// transitions keep (`newsnack_claim_traced`, migration 34): the same one
-/// statement, sent only when there is a context.
+/// [`CLAIM_STATEMENT`] with a trace context per id, `$5`, which each
+/// claimed issue's transition keeps (`newsnack_claim_traced`, migrations
+/// 34 and 37): the same one statement, sent only when there is a context.
 pub const TRACED_CLAIM_STATEMENT: &str = "SELECT id, claim_id, attempts, title, body, lease_until \
-     FROM newsnack_claim_traced($1, $2, $3, $4, $5)";
+     FROM newsnack_claim_traced($1, $2, $3, $4, $5::text[])";
 
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
@@ -109,18 +109,20 @@ pub async fn claim_issues(
     lease: Duration,
     scope: ClaimScope,
 ) -> Result<ClaimOutcome, DbError> {
-    claim_issues_traced(client, ids, worker, lease, scope, None).await
+    claim_issues_traced(client, ids, &[], worker, lease, scope).await
 }
 
-/// [`claim_issues`] in the trace context `traceparent`, which the claim's
-/// transitions keep (`issue_transition.traceparent`).
+/// [`claim_issues`] with `traceparents[i]` the trace context of `ids[i]`
+/// (missing ones: none), which that issue's claim transition keeps
+/// (`issue_transition.traceparent`) and its [`ClaimedIssue`] carries: one
+/// statement claims for requests in different contexts.
 pub async fn claim_issues_traced(
     client: &impl Sql,
     ids: &[i64],
+    traceparents: &[Option<&str>],
     worker: &str,
     lease: Duration,
     scope: ClaimScope,
-    traceparent: Option<&str>,
 ) -> Result<ClaimOutcome, DbError> {
     // The scope as the statement's $4: NULL, -1 (pending only) or the
     // attempts bound of a retry.
@@ -130,8 +132,9 @@ pub async fn claim_issues_traced(
         ClaimScope::RetryBelow(max) => Some(max),
     };
     let lease_s = lease.as_secs_f64();
-    let rows = match traceparent {
-        None => {
+    let traced = traceparents.iter().any(Option::is_some);
+    let rows = match traced {
+        false => {
             let params: &crate::db::TypedParams<'_> = &[
                 (&ids, Type::INT8_ARRAY),
                 (&worker, Type::TEXT),
@@ -140,16 +143,20 @@ pub async fn claim_issues_traced(
             ];
             crate::db::query_kept(client, CLAIM_STATEMENT, params).await?
         }
-        Some(traceparent) => {
+        true => {
             let params: &crate::db::TypedParams<'_> = &[
                 (&ids, Type::INT8_ARRAY),
                 (&worker, Type::TEXT),
                 (&lease_s, Type::FLOAT8),
                 (&retry_below, Type::INT4),
-                (&traceparent, Type::TEXT),
+                (&traceparents, Type::TEXT_ARRAY),
             ];
             crate::db::query_kept(client, TRACED_CLAIM_STATEMENT, params).await?
         }
+    };
+    let context_of = |id: i64| {
+        let at = ids.iter().position(|&i| i == id)?;
+        traceparents.get(at).copied().flatten().map(str::to_owned)
     };
     let mut claimed = Vec::new();
     let mut done = BTreeSet::new();
@@ -163,7 +170,7 @@ pub async fn claim_issues_traced(
                 body: r.get(4),
                 lease_until: r.get(5),
                 lease,
-                traceparent: traceparent.map(str::to_owned),
+                traceparent: context_of(r.get(0)),
                 retry: r.get::<_, i32>(2) > 1 || matches!(scope, ClaimScope::RetryBelow(_)),
             }),
             None => {

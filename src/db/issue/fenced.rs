@@ -187,35 +187,28 @@ async fn in_trace(tx: &impl Sql, traceparent: Option<&str>) -> Result<(), DbErro
 }
 
 /// [`complete`] of completions each made in its trace context
-/// (`contexts[i]` for `completions[i]`), in one transaction: the
-/// completions of one context are one statement, run with
-/// `newsnack.traceparent` set to it, so their `DONE` transitions keep it.
+/// (`contexts[i]` for `completions[i]`): one statement in one transaction,
+/// after naming each issue's context in `newsnack.issue_traceparents`
+/// (migration 37), so each `DONE` transition keeps its own.
 pub async fn complete_in_contexts(
     client: &mut deadpool_postgres::Client,
     completions: &[Completion],
     contexts: &[Option<String>],
     writer: &str,
 ) -> Result<Vec<Fenced>, DbError> {
-    let mut groups: Vec<(Option<&str>, Vec<usize>)> = Vec::new();
-    for (i, context) in contexts.iter().enumerate() {
-        let context = context.as_deref();
-        match groups.iter_mut().find(|(c, _)| *c == context) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((context, vec![i])),
-        }
-    }
+    let named: String = completions
+        .iter()
+        .zip(contexts)
+        .filter_map(|(c, context)| Some(format!(",{}={}", c.id, context.as_deref()?)))
+        .collect();
     let tx = client.transaction().await?;
-    let mut fenced = vec![Fenced::Lost; completions.len()];
-    for (context, members) in groups {
-        in_trace(&tx, context).await?;
-        let group: Vec<Completion> = members.iter().map(|&i| completions[i].clone()).collect();
-        for (i, outcome) in members
-            .into_iter()
-            .zip(complete(&tx, &group, writer).await?)
-        {
-            fenced[i] = outcome;
-        }
-    }
+    tx.sql()
+        .execute_typed(
+            "SELECT set_config('newsnack.issue_traceparents', $1, true)",
+            &[(&named, Type::TEXT)],
+        )
+        .await?;
+    let fenced = complete(&tx, completions, writer).await?;
     tx.commit().await?;
     Ok(fenced)
 }
