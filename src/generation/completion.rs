@@ -132,8 +132,10 @@ async fn record_once(
     quota_pause: Option<Duration>,
 ) -> Result<Generated, DbError> {
     // The span recording it (a child of the generation's), which the
-    // transition keeps.
-    let traceparent = crate::telemetry::current_traceparent();
+    // transition keeps; with nothing exported, the claim's context, so the
+    // outcome still leads to the trace that asked for it.
+    let traceparent =
+        crate::telemetry::current_traceparent().or_else(|| claimed.traceparent.clone());
     match result {
         Ok(article) => {
             let fenced = completer
