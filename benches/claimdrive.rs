@@ -244,7 +244,7 @@ async fn one_run(
     let wal_before = wal(admin).await;
     let work_before = database_work(admin, database).await;
     let spans_before = export.map(Receiver::spans);
-    let receiver_cpu_before = export.map(|r| process_cpu_seconds(r.child.id()));
+    let receiver_cpu_before = export.map(|r| process_cpu_seconds(r.rotel.pid()));
     let mut serve = Command::new(bin);
     if let Some(receiver) = export {
         serve
@@ -299,7 +299,7 @@ async fn one_run(
         .map(|(r, before)| r.settled() - before);
     let receiver_cpu = export
         .zip(receiver_cpu_before)
-        .map(|(r, before)| process_cpu_seconds(r.child.id()) - before);
+        .map(|(r, before)| process_cpu_seconds(r.rotel.pid()) - before);
     let db_cpu = postgres_cpu_seconds(cluster) - db_cpu_before;
     let wal_after = wal(admin).await;
     let work: serde_json::Map<String, serde_json::Value> = database_work(admin, database)
@@ -627,56 +627,23 @@ async fn database_work(admin: &tokio_postgres::Client, database: &str) -> Vec<(&
     .collect()
 }
 
-/// A real OTLP receiver (`rotel-agent`, discarding what it receives) that
-/// counts the spans it took in on its log.
+/// A real OTLP receiver (the `rotel` collector, discarding what it
+/// receives) that counts the spans it took in on its log.
 struct Receiver {
-    child: std::process::Child,
-    log: PathBuf,
+    rotel: python::Rotel,
     endpoint: String,
-    _dir: tempfile::TempDir,
 }
 
 impl Receiver {
     async fn start() -> Receiver {
-        let agent = python::rotel_agent().await;
-        let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("received.txt");
-        let free = || {
-            TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-        };
-        let (grpc, http) = (free(), free());
-        let child = Command::new(&agent)
-            .args(["start", "--exporter", "blackhole"])
-            .args(["--debug-log", "traces", "--debug-log-verbosity", "basic"])
-            .args(["--otlp-grpc-endpoint", &grpc.to_string()])
-            .args(["--otlp-http-endpoint", &http.to_string()])
-            .arg("--pid-file")
-            .arg(dir.path().join("rotel.pid"))
-            .arg("--log-file")
-            .arg(dir.path().join("rotel.log"))
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", agent.display()));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(grpc).is_err() {
-            assert!(Instant::now() < deadline, "the receiver did not listen");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Receiver {
-            child,
-            log,
-            endpoint: format!("http://{grpc}"),
-            _dir: dir,
-        }
+        let rotel = python::Rotel::start("basic").await;
+        let endpoint = format!("http://{}", rotel.grpc);
+        Receiver { rotel, endpoint }
     }
 
     /// The spans received so far: the sum of its `spans=N` log fields.
     fn spans(&self) -> u64 {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let text = std::fs::read_to_string(&self.rotel.print).unwrap_or_default();
         // Its log is coloured: `spans` ESC[0m ESC[2m = ESC[0m 2.
         let mut plain = String::with_capacity(text.len());
         let mut rest = text.as_str();
@@ -704,13 +671,6 @@ impl Receiver {
             }
             last = now;
         }
-    }
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

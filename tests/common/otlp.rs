@@ -1,5 +1,5 @@
 //! A real OTLP receiver for the trace tests: the `rotel` collector
-//! ([`super::python::rotel_agent`]), bound to loopback, printing
+//! ([`super::python::Rotel`]), bound to loopback, printing
 //! every span it receives in full, and the decoding of that print into
 //! spans with their attributes, status, events and links; a stalled
 //! collector that never answers; and the wait for a service to count its
@@ -7,8 +7,6 @@
 //! instance and the LLM it calls.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -46,53 +44,25 @@ pub struct Link {
     pub attributes: BTreeMap<String, String>,
 }
 
-/// A running `rotel` collector, printing what it receives to a file.
+/// A running `rotel` collector printing every span it receives.
 pub struct Receiver {
-    child: Child,
-    print: PathBuf,
+    rotel: super::python::Rotel,
     /// `http://ADDR` of its OTLP/HTTP endpoint.
     pub http: String,
-    _dir: tempfile::TempDir,
 }
 
 impl Receiver {
     /// Starts the collector on two free loopback ports (OTLP gRPC and
     /// HTTP) and returns once it listens.
     pub async fn start() -> Receiver {
-        let agent = super::python::rotel_agent().await;
-        let dir = tempfile::tempdir().unwrap();
-        let print = dir.path().join("received.txt");
-        let (grpc, http) = (free_port(), free_port());
-        let child = Command::new(&agent)
-            .args(["start", "--exporter", "blackhole"])
-            .args(["--debug-log", "traces", "--debug-log-verbosity", "detailed"])
-            .args(["--otlp-grpc-endpoint", &grpc, "--otlp-http-endpoint", &http])
-            .arg("--pid-file")
-            .arg(dir.path().join("rotel.pid"))
-            .arg("--log-file")
-            .arg(dir.path().join("rotel.log"))
-            .stdout(std::fs::File::create(&print).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", agent.display()));
-        let receiver = Receiver {
-            child,
-            print,
-            http: format!("http://{http}"),
-            _dir: dir,
-        };
-        within(30, "the receiver listens", async {
-            while tokio::net::TcpStream::connect(&http).await.is_err() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await;
-        receiver
+        let rotel = super::python::Rotel::start("detailed").await;
+        let http = format!("http://{}", rotel.http);
+        Receiver { rotel, http }
     }
 
     /// What the collector printed so far.
     pub fn text(&self) -> String {
-        String::from_utf8_lossy(&std::fs::read(&self.print).unwrap()).into_owned()
+        String::from_utf8_lossy(&std::fs::read(&self.rotel.print).unwrap()).into_owned()
     }
 
     /// Every span received so far.
@@ -125,13 +95,6 @@ impl Receiver {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-    }
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -129,3 +129,76 @@ pub async fn rotel_agent() -> PathBuf {
     assert!(agent.exists(), "no rotel-agent in {}", dir.trim());
     agent
 }
+
+/// A running `rotel` collector (an OTLP receiver) on two free loopback
+/// ports, discarding what it receives after printing it to `print`
+/// (`verbosity` `basic`: a count per batch; `detailed`: every span).
+/// Killed when dropped.
+pub struct Rotel {
+    child: std::process::Child,
+    /// Its OTLP/gRPC and OTLP/HTTP addresses.
+    pub grpc: std::net::SocketAddr,
+    pub http: std::net::SocketAddr,
+    /// The file its print goes to.
+    pub print: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Rotel {
+    /// Starts the collector; returns once both ports listen (at most 30 s).
+    pub async fn start(verbosity: &str) -> Rotel {
+        let agent = rotel_agent().await;
+        let dir = tempfile::tempdir().unwrap();
+        let print = dir.path().join("received.txt");
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+        };
+        let (grpc, http) = (free(), free());
+        let child = Command::new(&agent)
+            .args(["start", "--exporter", "blackhole"])
+            .args(["--debug-log", "traces", "--debug-log-verbosity", verbosity])
+            .args(["--otlp-grpc-endpoint", &grpc.to_string()])
+            .args(["--otlp-http-endpoint", &http.to_string()])
+            .arg("--pid-file")
+            .arg(dir.path().join("rotel.pid"))
+            .arg("--log-file")
+            .arg(dir.path().join("rotel.log"))
+            .stdout(File::create(&print).unwrap())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", agent.display()));
+        let rotel = Rotel {
+            child,
+            grpc,
+            http,
+            print,
+            _dir: dir,
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        for port in [grpc, http] {
+            while tokio::net::TcpStream::connect(port).await.is_err() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the collector did not listen within 30 s"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+        rotel
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Rotel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
