@@ -88,8 +88,9 @@ BEGIN
         NEW.claimed_by,
         CASE WHEN NEW.processing_status OPERATOR(pg_catalog.=) 'FAILED' THEN NEW.last_error END,
         fatal,
-        -- An issue's first transition falls back on the issue's own.
-        COALESCE(@extschema@.newsnack_traceparent(context),
+        -- An issue's first transition falls back on the issue's own. No
+        -- context, no call: most transitions have none.
+        COALESCE(CASE WHEN context OPERATOR(pg_catalog.<>) '' THEN @extschema@.newsnack_traceparent(context) END,
                  CASE WHEN TG_OP OPERATOR(pg_catalog.=) 'INSERT' THEN NEW.traceparent END)
     )
     RETURNING seq, at INTO logged_seq, logged_at;
