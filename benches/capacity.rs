@@ -22,8 +22,8 @@
 mod common;
 
 use common::{
-    connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, round1, round3,
-    start_cluster, stop, until_all_done, wait_ready,
+    connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, reference_issues,
+    round1, round3, start_cluster, stop, until_all_done, wait_ready,
 };
 
 use std::collections::BTreeMap;
@@ -70,18 +70,7 @@ async fn main() {
         let url = cluster.url(&database);
         migrate_with(&bin, &url);
         let db = connect(&url).await;
-        let ids: Vec<i64> = db
-            .query(
-                "INSERT INTO issue (title, body, score)
-                 SELECT 'issue ' || g, 'body ' || g, random() FROM generate_series(1, $1::int) g
-                 RETURNING id",
-                &[&(issues as i32)],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let ids = reference_issues(&db, issues).await;
 
         let mut serves: Vec<(Child, String)> = (0..instances)
             .map(|i| {

@@ -49,8 +49,8 @@ mod common;
 mod python;
 
 use common::{
-    connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, round1, round3,
-    start_cluster, stop, until_all_done, wait_ready,
+    connect, knob, migrate_with, postgres_cpu_seconds, process_cpu_seconds, reference_issues,
+    round1, round3, start_cluster, stop, until_all_done, wait_ready,
 };
 
 use std::collections::HashMap;
@@ -214,18 +214,7 @@ async fn one_run(
     let url = cluster.url(database);
     migrate_with(bin, &url);
     let db = connect(&url).await;
-    let ids: Vec<i64> = db
-        .query(
-            "INSERT INTO issue (title, body, score)
-             SELECT 'issue ' || g, 'body ' || g, random() FROM generate_series(1, $1::int) g
-             RETURNING id",
-            &[&(issues as i32)],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let ids = reference_issues(&db, issues).await;
     let (first, last) = (*ids.iter().min().unwrap(), *ids.iter().max().unwrap());
     if statements {
         db.batch_execute("SELECT pg_stat_reset()").await.unwrap();

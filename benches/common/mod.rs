@@ -136,6 +136,23 @@ pub fn stop(child: &mut std::process::Child) {
     child.wait().unwrap();
 }
 
+/// Adds the reference run's `n` issues (short rows: `issue g`, `body g`,
+/// a random score) with plain SQL; their ids.
+pub async fn reference_issues(client: &tokio_postgres::Client, n: usize) -> Vec<i64> {
+    client
+        .query(
+            "INSERT INTO issue (title, body, score)
+             SELECT 'issue ' || g, 'body ' || g, random() FROM generate_series(1, $1::int) g
+             RETURNING id",
+            &[&(n as i32)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 /// Adds `n` issues and moves them to `IN_PROGRESS`, as if claimed: targets
 /// for waits that stay open until the benchmark finishes them; their ids.
 pub async fn in_progress(client: &tokio_postgres::Client, n: usize) -> Vec<i64> {

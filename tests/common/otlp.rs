@@ -256,22 +256,12 @@ impl Drop for Stalled {
 pub async fn until_export_failed(http: &reqwest::Client, base: &str) {
     within(60, "the failed export is counted", async {
         loop {
-            let text = http
-                .get(format!("{base}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            let lost = text
-                .lines()
-                .find(|l| {
-                    l.starts_with("newsnack_trace_spans_lost_total{reason=\"export_failed\"}")
-                })
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0);
+            let lost = super::http::metric(
+                http,
+                base,
+                "newsnack_trace_spans_lost_total{reason=\"export_failed\"}",
+            )
+            .await;
             if lost > 0.0 {
                 return;
             }
