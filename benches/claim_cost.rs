@@ -108,7 +108,7 @@ async fn main() {
         ),
         (
             "kept",
-            Box::new(|id| format!("EXECUTE kept('{{{id}}}', 'bench', 60, NULL)")),
+            Box::new(|id| format!("EXECUTE kept('{{{id}}}', 'bench', 60, NULL, NULL)")),
         ),
     ];
     // A generic plan for the prepared statement, as the service's sessions
@@ -125,7 +125,7 @@ async fn main() {
         format!(
             "SET plan_cache_mode = {mode};\n\n\
              PREPARE claim(bigint[], text, float8, integer) AS {statement};\n\n\
-             PREPARE kept(bigint[], text, float8, integer) AS {kept};\n\n",
+             PREPARE kept(bigint[], text, float8, integer, text) AS {kept};\n\n",
             kept = newsnack::db::issue::CLAIM_STATEMENT
         )
     };
@@ -153,7 +153,7 @@ async fn main() {
     // and both transitions' records.
     let claimed_and_completed: ClaimText = Box::new(|id| {
         format!(
-            "EXECUTE kept('{{{id}}}', 'bench', 60, NULL);\n\n\
+            "EXECUTE kept('{{{id}}}', 'bench', 60, NULL, NULL);\n\n\
              SELECT * FROM newsnack_complete('{{{id}}}'::bigint[],
                  ARRAY[(SELECT claim_id FROM issue WHERE id = {id})], '{{headline}}'::text[],
                  '{{body}}'::text[], 'bench', '{{NULL}}'::integer[], '{{NULL}}'::integer[])"

@@ -244,7 +244,8 @@ async fn claim_ceiling(
         .replace("$1", &window)
         .replace("$2", "'bench'")
         .replace("$3", "60")
-        .replace("$4", "NULL");
+        .replace("$4", "NULL")
+        .replace("$5", "NULL");
     let statement = format!("{statement};\n");
     let script = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(script.path(), statement).unwrap();

@@ -461,11 +461,11 @@ $$;
 -- A W3C `traceparent` of version 00 with non-zero ids, lower-cased; NULL
 -- for anything else (a malformed setting is ignored, not an error).
 CREATE FUNCTION @extschema@.newsnack_traceparent(candidate text) RETURNS text
-LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT lower(candidate)
-     WHERE candidate ~ '^00-[0-9a-fA-F]{32}-[0-9a-fA-F]{16}-[0-9a-fA-F]{2}$'
-       AND substr(candidate, 4, 32) !~ '^0+$'
-       AND substr(candidate, 37, 16) !~ '^0+$'
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN candidate OPERATOR(pg_catalog.~) '^00-[0-9a-fA-F]{32}-[0-9a-fA-F]{16}-[0-9a-fA-F]{2}$'
+                 AND pg_catalog.substr(candidate, 4, 32) OPERATOR(pg_catalog.<>) '00000000000000000000000000000000'
+                 AND pg_catalog.substr(candidate, 37, 16) OPERATOR(pg_catalog.<>) '0000000000000000'
+                THEN pg_catalog.lower(candidate) END
 $$;
 
 -- The rules of `issue`: a new issue starts PENDING; a change of status
@@ -820,12 +820,21 @@ $$;
 -- may call them.
 
 CREATE FUNCTION @extschema@.newsnack_claim(
-    ids bigint[], holder text, lease_s double precision, retry_below integer
+    ids bigint[], holder text, lease_s double precision, retry_below integer,
+    contexts text DEFAULT NULL
 ) RETURNS TABLE (id bigint, claim_id bigint, attempts integer, title text, body text,
                  lease_until timestamptz)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
+DECLARE
+    named text;
 BEGIN
+    -- Each issue's trace context (`,<id>=<traceparent>,..`), which its
+    -- claim transition keeps (`issue_transition_record`); NULL leaves the
+    -- setting as the caller made it.
+    IF contexts IS NOT NULL THEN
+        named := set_config('newsnack.issue_traceparents', contexts, true);
+    END IF;
     RETURN QUERY
     WITH asked AS MATERIALIZED (
          SELECT DISTINCT a.id FROM unnest((SELECT ids)) AS a(id) ORDER BY a.id
@@ -869,8 +878,10 @@ END
 $$;
 
 -- The claim of `newsnack_claim` made in the trace context `traceparent`,
--- which its transitions keep. The service calls it only for a claim that
--- has a context; it runs as its caller; only the owner may call it.
+-- which its transitions keep (migration 34). The service no longer calls
+-- it (it hands `newsnack_claim` the contexts, migration 38): it stays for
+-- instances of the previous release during a rolling upgrade. It runs as
+-- its caller; only the owner may call it.
 CREATE FUNCTION @extschema@.newsnack_claim_traced(
     ids bigint[], holder text, lease_s double precision, retry_below integer, traceparent text
 ) RETURNS TABLE (id bigint, claim_id bigint, attempts integer, title text, body text,
@@ -883,8 +894,7 @@ END
 $$;
 
 -- The same with one context per id (migration 37), for a claim made for
--- several requests at once: each issue's claim transition keeps its own
--- (`newsnack.issue_traceparents`, read by `issue_transition_record`).
+-- several requests at once, kept for the same reason.
 CREATE FUNCTION @extschema@.newsnack_claim_traced(
     ids bigint[], holder text, lease_s double precision, retry_below integer, traceparents text[]
 ) RETURNS TABLE (id bigint, claim_id bigint, attempts integer, title text, body text,
@@ -901,11 +911,18 @@ $$;
 
 CREATE FUNCTION @extschema@.newsnack_complete(
     ids bigint[], claim_ids bigint[], headlines text[], bodies text[], writer text,
-    prompt_tokens integer[], completion_tokens integer[]
+    prompt_tokens integer[], completion_tokens integer[], contexts text DEFAULT NULL
 ) RETURNS TABLE (id bigint, claim_id bigint, written boolean)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
+DECLARE
+    named text;
 BEGIN
+    -- Each issue's trace context, for its `DONE` transition: as in
+    -- `newsnack_claim`.
+    IF contexts IS NOT NULL THEN
+        named := set_config('newsnack.issue_traceparents', contexts, true);
+    END IF;
     RETURN QUERY
     WITH input AS (
          SELECT * FROM unnest((SELECT ids), claim_ids, headlines, bodies, prompt_tokens, completion_tokens)
@@ -1693,10 +1710,10 @@ REVOKE EXECUTE ON FUNCTION
     @extschema@.setting_validate(),
     @extschema@.setting_announce(),
     @extschema@.setting_announce_truncation(),
-    @extschema@.newsnack_claim(bigint[], text, double precision, integer),
+    @extschema@.newsnack_claim(bigint[], text, double precision, integer, text),
     @extschema@.newsnack_claim_traced(bigint[], text, double precision, integer, text),
     @extschema@.newsnack_claim_traced(bigint[], text, double precision, integer, text[]),
-    @extschema@.newsnack_complete(bigint[], bigint[], text[], text[], text, integer[], integer[]),
+    @extschema@.newsnack_complete(bigint[], bigint[], text[], text[], text, integer[], integer[], text),
     @extschema@.newsnack_rotate_notification_key()
 FROM PUBLIC;
 

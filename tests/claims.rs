@@ -336,7 +336,7 @@ async fn one_statement_for_several_trace_contexts_keeps_each_issues_own() {
     let ids = db.add_issues(3).await;
     let a = "00-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-aaaaaaaaaaaaaaaa-01";
     let b = "00-bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb-bbbbbbbbbbbbbbbb-01";
-    let mut client = db.pool.get().await.unwrap();
+    let client = db.pool.get().await.unwrap();
     let outcome = claim_issues_traced(
         &client,
         &ids,
@@ -385,7 +385,7 @@ async fn one_statement_for_several_trace_contexts_keeps_each_issues_own() {
         })
         .collect();
     let contexts = owned([Some(b), None, Some(a)]);
-    let written = complete_in_contexts(&mut client, &completions, &contexts, "w")
+    let written = complete_in_contexts(&client, &completions, &contexts, "w")
         .await
         .unwrap();
     assert_eq!(written, vec![Fenced::Written; 3]);

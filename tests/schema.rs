@@ -384,8 +384,8 @@ async fn a_drift_of_every_kind_is_reported() {
             "ALTER FUNCTION issue_before_insert() RESET search_path",
         ),
         (
-            "function newsnack_claim(bigint[],text,double precision,integer)",
-            "GRANT EXECUTE ON FUNCTION newsnack_claim(bigint[], text, double precision, integer) TO PUBLIC",
+            "function newsnack_claim(bigint[],text,double precision,integer,text)",
+            "GRANT EXECUTE ON FUNCTION newsnack_claim(bigint[], text, double precision, integer, text) TO PUBLIC",
         ),
         ("table issue", "ALTER TABLE issue ALTER COLUMN body DROP DEFAULT"),
         (

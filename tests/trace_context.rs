@@ -83,3 +83,68 @@ async fn without_a_collector_the_callers_context_reaches_each_transition_of_its_
         .get(0);
     assert_eq!(issue.as_deref(), Some(ADDER));
 }
+
+/// An instance of the previous release during a rolling upgrade calls the
+/// claim and the completion as it did before migration 38: the claim's
+/// traced wrappers (one context, or one per id), the four-argument claim,
+/// and the seven-argument completion after setting the transaction's
+/// context. Each call still works, and each transition keeps its context.
+#[tokio::test]
+async fn the_previous_releases_calls_keep_their_contexts() {
+    let db = TestDb::new().await;
+    let ids = db.add_issues(4).await;
+    let mut sql = db.raw().await;
+    let claimed = |statement: &str, rows: Vec<tokio_postgres::Row>| {
+        assert_eq!(rows.len(), 1, "{statement} claimed one issue");
+        rows[0].get::<_, i64>("claim_id")
+    };
+    let each = "SELECT * FROM newsnack_claim_traced(ARRAY[$1::int8, $2::int8], 'old', 60, NULL, ARRAY[NULL, $3]::text[])";
+    let rows = sql.query(each, &[&ids[3], &ids[0], &ADDER]).await.unwrap();
+    assert_eq!(rows.len(), 2, "{each}");
+    let one = "SELECT * FROM newsnack_claim_traced(ARRAY[$1::int8], 'old', 60, NULL, $2::text)";
+    let rows = sql.query(one, &[&ids[1], &CLAIMANT]).await.unwrap();
+    let claim_1 = claimed(one, rows);
+    let plain = "SELECT * FROM newsnack_claim(ARRAY[$1::int8], 'old', 60, NULL)";
+    claimed(plain, sql.query(plain, &[&ids[2]]).await.unwrap());
+
+    let tx = sql.transaction().await.unwrap();
+    tx.execute(
+        "SELECT set_config('newsnack.traceparent', $1, true)",
+        &[&ADDER],
+    )
+    .await
+    .unwrap();
+    let written = tx
+        .query(
+            "SELECT written FROM newsnack_complete(ARRAY[$1::int8], ARRAY[$2::int8],
+                 ARRAY['h'], ARRAY['b'], 'old', ARRAY[NULL::int4], ARRAY[NULL::int4])",
+            &[&ids[1], &claim_1],
+        )
+        .await
+        .unwrap();
+    assert!(written[0].get::<_, bool>(0), "the old completion wrote");
+    tx.commit().await.unwrap();
+
+    let kept: Vec<(i64, String, Option<String>)> = sql
+        .query(
+            "SELECT issue_id, to_status, traceparent FROM issue_transition
+              WHERE to_status <> 'PENDING' ORDER BY issue_id, seq",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let context = |t: &str| Some(t.to_owned());
+    assert_eq!(
+        kept,
+        [
+            (ids[0], "IN_PROGRESS".into(), context(ADDER)),
+            (ids[1], "IN_PROGRESS".into(), context(CLAIMANT)),
+            (ids[1], "DONE".into(), context(ADDER)),
+            (ids[2], "IN_PROGRESS".into(), None),
+            (ids[3], "IN_PROGRESS".into(), None),
+        ]
+    );
+}

@@ -183,6 +183,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "claim contexts",
         sql: include_str!("../../sql/0037_claim_contexts.sql"),
     },
+    Migration {
+        version: 38,
+        name: "traced claim inline",
+        sql: include_str!("../../sql/0038_traced_claim_inline.sql"),
+    },
 ];
 
 /// What a migration writes for the schema it runs in.

@@ -301,17 +301,14 @@ async fn record_batch(pool: &DbPool, writer: &str, batch: Vec<PendingCompletion>
     }
 }
 
-/// One statement for `completions`; with a trace context for any
-/// (`contexts`), one transaction setting each context for its own.
+/// One statement for `completions`, each `DONE` transition in its own
+/// trace context (`contexts`).
 async fn record_together(
     pool: &DbPool,
     writer: &str,
     completions: &[Completion],
     contexts: &[Option<String>],
 ) -> Result<Vec<Fenced>, DbError> {
-    let mut client = pool.get().await?;
-    if contexts.iter().all(Option::is_none) {
-        return issue::complete(&pool.session(&client), completions, writer).await;
-    }
-    issue::complete_in_contexts(&mut client, completions, contexts, writer).await
+    let client = pool.get().await?;
+    issue::complete_in_contexts(&pool.session(&client), completions, contexts, writer).await
 }

@@ -75,21 +75,17 @@ pub enum ClaimScope {
     /// `retry_not_before` has passed: an automatic retry.
     RetryBelow(i32),
 }
-/// The claim of [`claim_issues`]: a call of `newsnack_claim` (migration
-/// 22), where its one statement is written. Its parameters: the ids, the
-/// holder, the lease in seconds, and the attempt limit of a retry (NULL
-/// for a first claim, -1 for `PENDING` only). Where a session may keep
-/// statements ([`crate::db::Statements::Named`]) the call is parsed once per
-/// session; either way the server session keeps the plan of the
-/// function's statement, the generic one from its sixth call on.
-pub const CLAIM_STATEMENT: &str =
-    "SELECT id, claim_id, attempts, title, body, lease_until FROM newsnack_claim($1, $2, $3, $4)";
-
-/// [`CLAIM_STATEMENT`] with a trace context per id, `$5`, which each
-/// claimed issue's transition keeps (`newsnack_claim_traced`, migrations
-/// 34 and 37): the same one statement, sent only when there is a context.
-pub const TRACED_CLAIM_STATEMENT: &str = "SELECT id, claim_id, attempts, title, body, lease_until \
-     FROM newsnack_claim_traced($1, $2, $3, $4, $5::text[])";
+/// The claim of [`claim_issues`]: a call of `newsnack_claim` (migrations
+/// 22 and 38), where its one statement is written. Its parameters: the
+/// ids, the holder, the lease in seconds, the attempt limit of a retry
+/// (NULL for a first claim, -1 for `PENDING` only), and the issues' trace
+/// contexts (`,<id>=<traceparent>,..`, NULL for none), which each claimed
+/// issue's transition keeps. Where a session may keep statements
+/// ([`crate::db::Statements::Named`]) the call is parsed once per session;
+/// either way the server session keeps the plan of the function's
+/// statement, the generic one from its sixth call on.
+pub const CLAIM_STATEMENT: &str = "SELECT id, claim_id, attempts, title, body, lease_until \
+     FROM newsnack_claim($1, $2, $3, $4, $5)";
 
 /// Claims, in one statement, every requested issue that is claimable and not
 /// locked by a concurrent claim: sets it `IN_PROGRESS` under a new fencing
@@ -132,28 +128,15 @@ pub async fn claim_issues_traced(
         ClaimScope::RetryBelow(max) => Some(max),
     };
     let lease_s = lease.as_secs_f64();
-    let traced = traceparents.iter().any(Option::is_some);
-    let rows = match traced {
-        false => {
-            let params: &crate::db::TypedParams<'_> = &[
-                (&ids, Type::INT8_ARRAY),
-                (&worker, Type::TEXT),
-                (&lease_s, Type::FLOAT8),
-                (&retry_below, Type::INT4),
-            ];
-            crate::db::query_kept(client, CLAIM_STATEMENT, params).await?
-        }
-        true => {
-            let params: &crate::db::TypedParams<'_> = &[
-                (&ids, Type::INT8_ARRAY),
-                (&worker, Type::TEXT),
-                (&lease_s, Type::FLOAT8),
-                (&retry_below, Type::INT4),
-                (&traceparents, Type::TEXT_ARRAY),
-            ];
-            crate::db::query_kept(client, TRACED_CLAIM_STATEMENT, params).await?
-        }
-    };
+    let contexts = super::contexts_setting(ids, traceparents);
+    let params: &crate::db::TypedParams<'_> = &[
+        (&ids, Type::INT8_ARRAY),
+        (&worker, Type::TEXT),
+        (&lease_s, Type::FLOAT8),
+        (&retry_below, Type::INT4),
+        (&contexts, Type::TEXT),
+    ];
+    let rows = crate::db::query_kept(client, CLAIM_STATEMENT, params).await?;
     let context_of = |id: i64| {
         let at = ids.iter().position(|&i| i == id)?;
         traceparents.get(at).copied().flatten().map(str::to_owned)

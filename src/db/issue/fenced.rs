@@ -118,7 +118,8 @@ pub struct Completion {
 /// [`super::CLAIM_STATEMENT`] is. Its parameters: ids, claim ids, headlines and
 /// bodies (one element per completion), the writer, and the prompt and
 /// completion tokens (one element per completion, NULL where not
-/// reported). The statement looks the ids up by primary key (`= ANY(ids)`),
+/// reported), and the issues' trace contexts (`,<id>=<traceparent>,..`,
+/// NULL for none; migration 38). The statement looks the ids up by primary key (`= ANY(ids)`),
 /// however few issues the statistics say are in flight; only the rows of
 /// claims still current are locked, and rows another transaction holds are
 /// skipped, not waited for: one issue locked by a system editing it with
@@ -130,7 +131,7 @@ pub struct Completion {
 /// index. Answers one row per completion whose claim was current as of the
 /// statement's snapshot: its id, its claim id, and whether it was written.
 pub const COMPLETE_STATEMENT: &str =
-    "SELECT id, claim_id, written FROM newsnack_complete($1, $2, $3, $4, $5, $6, $7)";
+    "SELECT id, claim_id, written FROM newsnack_complete($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// Completes claims in one statement (so one transaction): each issue that
 /// is still `IN_PROGRESS` under its very claim is set `DONE` and its article
@@ -141,6 +142,21 @@ pub async fn complete(
     completions: &[Completion],
     writer: &str,
 ) -> Result<Vec<Fenced>, DbError> {
+    complete_in_contexts(client, completions, &[], writer).await
+}
+
+/// [`complete`] of completions each made in its trace context
+/// (`contexts[i]` for `completions[i]`, missing ones: none), which each
+/// `DONE` transition keeps: still one statement.
+pub async fn complete_in_contexts(
+    client: &impl Sql,
+    completions: &[Completion],
+    contexts: &[Option<String>],
+    writer: &str,
+) -> Result<Vec<Fenced>, DbError> {
+    let ids: Vec<i64> = completions.iter().map(|c| c.id).collect();
+    let contexts: Vec<Option<&str>> = contexts.iter().map(Option::as_deref).collect();
+    let contexts = super::contexts_setting(&ids, &contexts);
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
     let tokens = |f: fn(&Completion) -> Option<i32>| completions.iter().map(f).collect::<Vec<_>>();
@@ -155,6 +171,7 @@ pub async fn complete(
             (&writer, Type::TEXT),
             (&tokens(|c| c.usage.prompt_tokens), Type::INT4_ARRAY),
             (&tokens(|c| c.usage.completion_tokens), Type::INT4_ARRAY),
+            (&contexts, Type::TEXT),
         ],
     )
     .await?
@@ -184,33 +201,6 @@ async fn in_trace(tx: &impl Sql, traceparent: Option<&str>) -> Result<(), DbErro
         )
         .await?;
     Ok(())
-}
-
-/// [`complete`] of completions each made in its trace context
-/// (`contexts[i]` for `completions[i]`): one statement in one transaction,
-/// after naming each issue's context in `newsnack.issue_traceparents`
-/// (migration 37), so each `DONE` transition keeps its own.
-pub async fn complete_in_contexts(
-    client: &mut deadpool_postgres::Client,
-    completions: &[Completion],
-    contexts: &[Option<String>],
-    writer: &str,
-) -> Result<Vec<Fenced>, DbError> {
-    let named: String = completions
-        .iter()
-        .zip(contexts)
-        .filter_map(|(c, context)| Some(format!(",{}={}", c.id, context.as_deref()?)))
-        .collect();
-    let tx = client.transaction().await?;
-    tx.sql()
-        .execute_typed(
-            "SELECT set_config('newsnack.issue_traceparents', $1, true)",
-            &[(&named, Type::TEXT)],
-        )
-        .await?;
-    let fenced = complete(&tx, completions, writer).await?;
-    tx.commit().await?;
-    Ok(fenced)
 }
 
 /// [`fail`] in the trace context `traceparent`, which the `FAILED`

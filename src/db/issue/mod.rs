@@ -11,7 +11,7 @@ mod retry_state;
 
 pub use claim::{
     claim_issues, claim_issues_traced, earlier_traceparent, ClaimOutcome, ClaimScope, ClaimedIssue,
-    CLAIM_STATEMENT, TRACED_CLAIM_STATEMENT,
+    CLAIM_STATEMENT,
 };
 pub use fenced::{
     claim_current, complete, complete_in_contexts, fail, fail_traced, fail_unspent, heartbeat,
@@ -29,6 +29,20 @@ use tokio_postgres::GenericClient as _;
 
 use super::{DbError, Sql};
 use crate::model::status::Status;
+
+/// The issues' trace contexts as the claim and the completion take them
+/// (`,<id>=<traceparent>,..`, which `issue_transition_record` reads,
+/// migrations 37 and 38): `traceparents[i]` is `ids[i]`'s; `None` when
+/// no issue has one.
+fn contexts_setting(ids: &[i64], traceparents: &[Option<&str>]) -> Option<String> {
+    let mut named = String::new();
+    for (id, traceparent) in ids.iter().zip(traceparents) {
+        if let Some(traceparent) = traceparent {
+            named.push_str(&format!(",{id}={traceparent}"));
+        }
+    }
+    (!named.is_empty()).then_some(named)
+}
 
 /// An issue to add.
 #[derive(Debug, Clone)]
