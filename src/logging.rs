@@ -17,7 +17,7 @@
 use std::io::Write;
 
 use tracing::{Event, Level, Subscriber};
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{LevelFilter, Targets};
 use tracing_subscriber::fmt::format::{JsonFields, Writer};
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
 use tracing_subscriber::layer::SubscriberExt;
@@ -46,7 +46,10 @@ pub fn init(default: &str, export: Option<&Export>) {
         } else {
             lines.boxed()
         };
-    let exported = Targets::new().with_target("newsnack", Level::INFO);
+    // A request's `answered` line is the log's: its span says the status.
+    let exported = Targets::new()
+        .with_target("newsnack", Level::INFO)
+        .with_target(crate::http::ANSWERED, LevelFilter::OFF);
     tracing_subscriber::registry()
         .with(export.map(|e| e.layer().with_filter(exported)))
         .with(lines.with_filter(filter))

@@ -315,7 +315,7 @@ where
             } => {
                 let mut answer = std::task::ready!(inner.poll(cx));
                 if let Ok(response) = &mut answer {
-                    answer_headers(span.as_ref(), caller.as_ref(), response.headers_mut());
+                    answer_headers(span.as_ref(), caller.as_ref(), response);
                 }
                 Poll::Ready(answer)
             }
@@ -406,15 +406,26 @@ pub fn adopt_caller(span: &tracing::Span, caller: &CallerContext) {
 }
 
 /// The `traceparent` / `tracestate` an answer carries: the request span's
-/// when spans are exported, else the caller's unchanged.
-fn answer_headers(
+/// when spans are exported, else the caller's unchanged. The request span
+/// takes the answer's status (`http.response.status_code`, an error from
+/// 500 on, as OpenTelemetry's HTTP conventions have it): the log's
+/// `answered` line says the same, but is not exported as an event.
+fn answer_headers<R>(
     span: Option<&tracing::Span>,
     caller: Option<&CallerContext>,
-    headers: &mut axum::http::HeaderMap,
+    response: &mut axum::http::Response<R>,
 ) {
+    let status = response.status();
+    let headers = response.headers_mut();
     if let Some(span) = span {
         let cx = span.context();
         if cx.span().span_context().is_valid() {
+            span.set_attribute("http.response.status_code", i64::from(status.as_u16()));
+            if status.is_server_error() {
+                span.set_status(opentelemetry::trace::Status::error(
+                    status.canonical_reason().unwrap_or("server error"),
+                ));
+            }
             TraceContextPropagator::new().inject_context(&cx, &mut AnswerHeaders(headers));
             return;
         }

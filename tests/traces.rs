@@ -133,6 +133,12 @@ async fn a_callers_trace_runs_through_the_database_into_the_generation_and_its_l
         request.parent_id, "1111111111111111",
         "the claim's request is the caller's child"
     );
+    assert_eq!(request.attributes["http.response.status_code"], "202");
+    assert!(
+        request.events.is_empty(),
+        "the log's `answered` line is no span event: {:?}",
+        request.events
+    );
     assert_eq!(generate.attributes["newsnack.issue_id"], id.to_string());
     assert_eq!(claim.attributes["newsnack.claimed"], "1");
     assert_eq!(chat.attributes["gen_ai.request.model"], MODEL);

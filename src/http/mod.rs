@@ -200,6 +200,10 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
     span
 }
 
+/// The target of the `answered` lines: logged, never exported (the
+/// request span has the status itself, [`crate::telemetry`]).
+pub const ANSWERED: &str = "newsnack::http::answered";
+
 /// One line per answered request, in its span (so with its id).
 fn log_response<B>(response: &Response<B>, latency: Duration, span: &tracing::Span) {
     let status = response.status().as_u16();
@@ -208,9 +212,9 @@ fn log_response<B>(response: &Response<B>, latency: Duration, span: &tracing::Sp
         .metadata()
         .is_none_or(|m| *m.level() > tracing::Level::INFO);
     if quiet {
-        tracing::debug!(status, latency_ms, "answered");
+        tracing::debug!(target: ANSWERED, status, latency_ms, "answered");
     } else {
-        tracing::info!(status, latency_ms, "answered");
+        tracing::info!(target: ANSWERED, status, latency_ms, "answered");
     }
 }
 
