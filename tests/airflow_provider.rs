@@ -6,7 +6,9 @@
 //! whose title starts with `refuse`: those fail for good.
 //!
 //! The venvs are cached (`common::python`); they hold the provider as an
-//! editable install of this checkout, so its edits need no reinstall.
+//! editable install of this checkout, so its edits need no reinstall. The
+//! wheel users install is built and checked by pytest too
+//! (`tests/test_wheel.py`: `pip wheel`, then a throwaway venv).
 
 mod common;
 

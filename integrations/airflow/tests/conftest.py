@@ -1,5 +1,6 @@
 """Fixtures for the provider's tests: the real ``newsnack serve`` they run
-against, issues added to it over its API, and the connections that name it.
+against, issues added to it over its API, the connections that name it, and
+a recording relay in front of it.
 
 The service is started by ``tests/airflow_provider.rs`` (``cargo test
 --test airflow_provider``), which passes its address and token in
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from newsnack_provider.api import Service
+from relay import Relay
 
 try:  # Airflow 3
     from airflow.sdk.exceptions import TaskDeferred
@@ -79,6 +81,15 @@ def connection(service: Service, monkeypatch: pytest.MonkeyPatch) -> Callable[..
         return conn_id
 
     return define
+
+
+@pytest.fixture
+def relay(service: Service) -> Iterator[Relay]:
+    """A :class:`relay.Relay` in front of the service, passing every
+    request on until a test sets its ``unavailable``."""
+    relay = Relay(service.base_url.rstrip("/"))
+    yield relay
+    relay.close()
 
 
 @pytest.fixture

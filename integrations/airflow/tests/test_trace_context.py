@@ -1,18 +1,14 @@
 """The task's trace continues into newsnack: the hook and the trigger send
 the current OpenTelemetry span's ``traceparent`` and ``tracestate``, and the
-real ``newsnack serve`` answers in that trace. Between them, a recording
-relay (a local HTTP server passing every request on to the service) keeps
-what went each way. Without a current span nothing is sent."""
+real ``newsnack serve`` answers in that trace. Between them, the recording
+relay (``relay.Relay``, the fixture ``relay``) keeps what went each way. Without a current span
+nothing is sent."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import urllib.error
-import urllib.request
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import pytest
 from opentelemetry.context import Context as TraceContext
@@ -23,73 +19,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from newsnack_provider.api import Service, rfc3339
 from newsnack_provider.hooks.newsnack import NewsnackHook
 from newsnack_provider.triggers.newsnack import NewsnackWaitTrigger
+from relay import Relay
 
 #: The context the task's span continues (as Airflow's scheduler would
 #: hand it down), with a vendor's ``tracestate``.
 UPSTREAM = "00-8a3c60f7d188f8fa79d48a391a778fa6-53995c3f42cd8ad8-01"
 STATE = "airflow=task"
-
-
-class Exchange:
-    """One request passed on: the trace headers it came with, and those of
-    newsnack's answer."""
-
-    def __init__(self, path: str, sent: Dict[str, Optional[str]], answered: Optional[str]) -> None:
-        self.path = path
-        self.sent = sent
-        self.answered = answered
-
-
-class Relay:
-    """A local HTTP server passing each POST on to `upstream` with its
-    headers and body, answering with the service's answer, and keeping an
-    :class:`Exchange` per request."""
-
-    def __init__(self, upstream: str) -> None:
-        self.exchanges: List[Exchange] = []
-        relay = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                passed = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
-                request = urllib.request.Request(upstream + self.path, data=body, headers=passed, method="POST")
-                try:
-                    with urllib.request.urlopen(request, timeout=60) as answer:
-                        status, headers, payload = answer.status, answer.headers, answer.read()
-                except urllib.error.HTTPError as refusal:
-                    status, headers, payload = refusal.code, refusal.headers, refusal.read()
-                relay.exchanges.append(
-                    Exchange(
-                        self.path,
-                        {"traceparent": self.headers.get("traceparent"), "tracestate": self.headers.get("tracestate")},
-                        headers.get("traceparent"),
-                    )
-                )
-                self.send_response(status)
-                self.send_header("Content-Type", headers.get("Content-Type", "application/json"))
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = int(self.server.server_address[1])
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def relay(service: Service) -> Iterator[Relay]:
-    relay = Relay(service.base_url.rstrip("/"))
-    yield relay
-    relay.close()
 
 
 @pytest.fixture

@@ -1,12 +1,14 @@
 """``NewsnackWaitTrigger`` against a real ``newsnack serve``: its
 serialisation, the event ``run()`` yields for each outcome, a deadline kept
-across a restart and shared by two copies, retries while the service is
-unreachable, and the errors that end it at once."""
+across a restart and shared by two copies, retries with backoff while the
+service is unreachable or answers 503 (through ``relay.Relay``), and the
+errors that end it: at once, or past the deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import math
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Dict, List, Tuple
@@ -14,7 +16,8 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 
 from newsnack_provider.api import Service, parse_rfc3339, rfc3339
-from newsnack_provider.triggers.newsnack import NewsnackWaitTrigger
+from newsnack_provider.triggers.newsnack import FIRST_RETRY_S, NewsnackWaitTrigger
+from relay import UNAVAILABLE, Relay
 
 
 def deadline_in(seconds: float) -> str:
@@ -98,14 +101,15 @@ def test_a_restarted_trigger_keeps_the_deadline_and_two_copies_agree(
 ) -> None:
     done, pending = add_issues("Done", "Never claimed")
     claimed_and_done(service, [done])
-    first = NewsnackWaitTrigger([done, pending], deadline_in(3), 1, connection())
+    first = NewsnackWaitTrigger([done, pending], deadline_in(4), 1, connection())
     classpath, kwargs = first.serialize()
 
     async def killed_then_twice() -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        # The first copy is killed mid-wait, as a triggerer that dies; two
-        # copies made from its serialised form run at once.
+        # The first copy is killed halfway through its wait, as a triggerer
+        # that dies; two copies made from its serialised form run at once.
+        # Copies that started the wait's time again would decide 2 s late.
         running = asyncio.ensure_future(first_event(first))
-        done_soon, _ = await asyncio.wait([running], timeout=0.5)
+        done_soon, _ = await asyncio.wait([running], timeout=2.0)
         assert not done_soon, "still waiting"
         running.cancel()
         a, b = await asyncio.gather(
@@ -129,7 +133,7 @@ def test_an_unreachable_service_is_asked_again_until_it_answers(
     host, port = target.rsplit(":", 1)
     dropped: List[int] = []
 
-    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def cut_then_pass(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # The first two connections are cut before any answer: the service
         # is out of reach for a while.
         if len(dropped) < 2:
@@ -147,7 +151,7 @@ def test_an_unreachable_service_is_asked_again_until_it_answers(
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
     async def through_relay() -> Dict[str, Any]:
-        server = await asyncio.start_server(relay, "127.0.0.1", unused_port)
+        server = await asyncio.start_server(cut_then_pass, "127.0.0.1", unused_port)
         async with server:
             trigger = NewsnackWaitTrigger([pending], deadline_in(20), 0, connection(port=unused_port, schema="http"))
             return await first_event(trigger)
@@ -156,6 +160,42 @@ def test_an_unreachable_service_is_asked_again_until_it_answers(
     assert len(dropped) == 2
     assert event["status"] == "success", event
     assert event["wait"]["outcome"] == "timeout_pass"
+
+
+def test_a_service_answering_503_is_asked_again_with_backoff_and_keeps_the_deadline(
+    relay: Relay, service: Service, add_issues: Callable[..., List[int]], connection: Callable[..., str]
+) -> None:
+    done, pending = add_issues("Done", "Never claimed")
+    claimed_and_done(service, [done])
+    relay.unavailable = 3
+    conn_id = connection("nn_busy", host="127.0.0.1", port=relay.port, schema="http")
+    deadline = deadline_in(8)
+    event = event_of(NewsnackWaitTrigger([done, pending], deadline, 1, conn_id))
+    late = (datetime.now(timezone.utc) - parse_rfc3339(deadline)).total_seconds()
+    assert [(e.path, e.status) for e in relay.exchanges] == [("/waits", 503)] * 3 + [("/waits", 200)]
+    pauses = [b.at - a.at for a, b in zip(relay.exchanges, relay.exchanges[1:])]
+    assert all(pause >= FIRST_RETRY_S * 2**i for i, pause in enumerate(pauses)), pauses
+    assert event["status"] == "success", event
+    assert event["wait"]["outcome"] == "timeout_pass"
+    assert event["wait"]["completed"] == [done]
+    assert event["wait"]["unfinished"] == [pending]
+    assert 0 <= late < 1.0, f"decided {late:.2f} s after the deadline"
+
+
+def test_a_503_lasting_past_the_deadline_ends_with_a_clear_error(
+    relay: Relay, add_issues: Callable[..., List[int]], connection: Callable[..., str]
+) -> None:
+    (pending,) = add_issues("Never claimed")
+    relay.unavailable = math.inf
+    conn_id = connection("nn_unavailable", host="127.0.0.1", port=relay.port, schema="http")
+    deadline = deadline_in(1)
+    event = event_of(NewsnackWaitTrigger([pending], deadline, 1, conn_id, give_up_after_s=0.5))
+    assert event["status"] == "error", event
+    assert event["http_status"] == 503
+    assert f"POST /waits failed (HTTP 503): {UNAVAILABLE}" in event["message"], event
+    assert "0.5 s after the wait's deadline" in event["message"] and "giving up" in event["message"], event
+    assert (datetime.now(timezone.utc) - parse_rfc3339(deadline)).total_seconds() >= 0.5
+    assert len(relay.exchanges) >= 2 and {e.status for e in relay.exchanges} == {503}
 
 
 def test_a_service_down_for_the_whole_wait_ends_with_an_error(connection: Callable[..., str], unused_port: int) -> None:
