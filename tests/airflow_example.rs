@@ -12,10 +12,12 @@
 //! `deferred` while they are written and the briefing holds exactly the
 //! completed ids; the triggerer is SIGKILLed mid-wait and started again,
 //! and the wait still decides `timeout_pass` at its original deadline
-//! (within a second); a `skip` skips the briefing task; and bad input (an
-//! unknown connection, a wrong token, unknown ids, a timeout already over,
-//! a service down for the whole wait) fails each task with its message
-//! and leaves no trigger behind. Last, the same DAG on Airflow 2.10
+//! (within a second); a `skip` skips the briefing task; bad input (an
+//! unknown connection, a wrong token, unknown ids, a negative timeout, a
+//! service down for the whole wait) fails each task with its message; a
+//! wait deferred with a deadline already past (its claim an hour ago) is
+//! decided at once, a skip; and none leaves a trigger behind. Last, the
+//! same DAG on Airflow 2.10
 //! (`airflow dags test`, which runs the trigger in-process).
 //!
 //! Airflow comes from PyPI into cached venvs (`common::python`).
@@ -234,16 +236,23 @@ async fn run_briefing_publishes_the_completed_ids_skips_and_fails_clearly() {
 }
 
 /// A DAG of bad inputs, each task on its own: every one must fail with its
-/// message and leave no trigger behind.
-const BAD_INPUT_DAG: &str = r#""""newsnack_bad_input: each task fails, with a message saying why."""
-from datetime import datetime, timezone
+/// message and leave no trigger behind; and a wait whose deadline (60 s
+/// after a claim an hour ago) is already past when it defers, decided at
+/// once by the same rule.
+const BAD_INPUT_DAG: &str = r#""""newsnack_bad_input: each wait fails, with a message saying why, but
+deadline_past: its claim step says it was answered an hour ago, so its
+deadline has passed when it defers, and the service decides at once."""
+from datetime import datetime, timedelta, timezone
 
-from newsnack_provider.operators.newsnack import NewsnackWaitOperator
+from airflow.sdk import DAG, task
+from newsnack_provider.api import rfc3339
+from newsnack_provider.operators.newsnack import CLAIMED_AT_XCOM, NewsnackWaitOperator
 
-try:
-    from airflow.sdk import DAG
-except ImportError:
-    from airflow import DAG
+
+@task
+def claimed_an_hour_ago(ti=None):
+    ti.xcom_push(key=CLAIMED_AT_XCOM, value=rfc3339(datetime.now(timezone.utc) - timedelta(hours=1)))
+
 
 with DAG(
     dag_id="newsnack_bad_input",
@@ -259,6 +268,7 @@ with DAG(
     NewsnackWaitOperator(task_id="unknown_ids", issue_ids=[987654321], timeout_s=60)
     NewsnackWaitOperator(task_id="timeout_over", issue_ids=ids, timeout_s=-5)
     NewsnackWaitOperator(task_id="service_down", issue_ids=ids, timeout_s=2, newsnack_conn_id="newsnack_down")
+    claimed_an_hour_ago() >> NewsnackWaitOperator(task_id="deadline_past", issue_ids=ids, timeout_s=60, min_completion=1)
 "#;
 
 /// What each bad-input task's log must say.
@@ -578,6 +588,18 @@ fn parse_time(value: &Value) -> time::OffsetDateTime {
     .unwrap_or_else(|e| panic!("{value}: {e}"))
 }
 
+/// When the first line of `log` (Airflow 3's JSON lines) holding `text`
+/// was logged.
+fn logged_at(log: &str, text: &str) -> time::OffsetDateTime {
+    let line = log
+        .lines()
+        .find(|l| l.contains(text))
+        .unwrap_or_else(|| panic!("no {text:?} in the log:\n{log}"));
+    let entry: Value =
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
+    parse_time(&entry["timestamp"])
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dag_defers_survives_a_killed_triggerer_and_fails_bad_input_clearly_in_airflow_3() {
     let bin = provider_venv("airflow3-provider", AIRFLOW_3).await;
@@ -682,6 +704,43 @@ async fn the_dag_defers_survives_a_killed_triggerer_and_fails_bad_input_clearly_
             "{task} should say {message:?}:\n{log}"
         );
     }
+
+    // The deadline already past: 60 s after the claim an hour ago. The wait
+    // defers with it and the service decides at once: the issue was never
+    // claimed, so fewer than min_completion are DONE, a skip.
+    assert_eq!(tasks["claimed_an_hour_ago"], "success", "{tasks:?}");
+    assert_eq!(tasks["deadline_past"], "skipped", "{tasks:?}");
+    let claimed_at = parse_time(
+        &airflow
+            .xcom("bad", "claimed_an_hour_ago", "claimed_at")
+            .await,
+    );
+    let decision = airflow.xcom("bad", "deadline_past", "wait_decision").await;
+    let deadline = parse_time(&decision["deadline"]);
+    assert_eq!(
+        deadline,
+        claimed_at + time::Duration::seconds(60),
+        "{decision}"
+    );
+    let log = airflow.task_log("newsnack_bad_input", "bad", "deadline_past");
+    let deferred_at = logged_at(&log, "deferring the wait");
+    assert!(
+        log.contains(&format!("until {}", decision["deadline"].as_str().unwrap())),
+        "{log}"
+    );
+    assert!(
+        deadline < deferred_at - time::Duration::minutes(55),
+        "deferred at {deferred_at} with the deadline {deadline}"
+    );
+    let decided = parse_time(&decision["answered_at"]) - deferred_at;
+    assert!(
+        decided >= time::Duration::ZERO && decided < time::Duration::seconds(5),
+        "decided {decided} after deferring: {decision}"
+    );
+    assert!(
+        log.contains("skip: 0 of 1 DONE, fewer than the minimum"),
+        "{log}"
+    );
     assert_eq!(
         airflow.sql_i64("SELECT count(*) FROM trigger", &[]).await,
         0,
