@@ -6,7 +6,9 @@ the service through this module. Blocking calls use the standard library
 depends on, so the triggerer's loop is never blocked.
 
 Every request carries the W3C trace context of the current OpenTelemetry
-span (:func:`trace_headers`), so a task's trace continues into newsnack's.
+span, or when none is current the one the caller gives
+(:attr:`Service.fallback_trace`; :func:`trace_headers`), so a task's trace
+continues into newsnack's.
 
 Every refusal the service sends is ``{"error": "..."}`` with a 4xx/5xx
 status; it becomes a :class:`NewsnackError` subclass carrying the status and
@@ -20,9 +22,9 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import aiohttp
 
@@ -98,13 +100,21 @@ def parse_rfc3339(text: str) -> datetime:
 
 @dataclass(frozen=True)
 class Service:
-    """Where the service listens and the token it wants (None: none)."""
+    """Where the service listens, the token it wants (None: none), and the
+    trace context to send when no span is current (``traceparent`` and
+    perhaps ``tracestate``; on Airflow 2.10 the task's, which Airflow does
+    not make current)."""
 
     base_url: str
     token: Optional[str] = None
+    fallback_trace: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def trace_headers(self) -> Dict[str, str]:
+        """What :func:`trace_headers` sends for this service's requests."""
+        return trace_headers(self.fallback_trace)
 
     def headers(self) -> Dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": "application/json", **trace_headers()}
+        headers = {"Content-Type": "application/json", "Accept": "application/json", **self.trace_headers()}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
@@ -172,21 +182,25 @@ class Service:
         return self.post("/today-newsnack", {"issue_ids": issue_ids})
 
 
-def trace_headers() -> Dict[str, str]:
+def trace_headers(fallback: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """``traceparent`` (and ``tracestate``) of the current OpenTelemetry
     span: in Airflow 3 the task's span (``worker.<task_id>``) or the
     trigger's (``trigger.<task_id>``), which Airflow makes current while it
     runs them with tracing on, or any span the DAG's code made current.
-    Empty when there is none, when the span is not valid (tracing off), or
-    without ``opentelemetry-api`` (Airflow 2.10 makes no span current in a
-    task: nothing is sent)."""
+    When there is none, the span is not valid (tracing off) or
+    ``opentelemetry-api`` is missing: those of `fallback` (Airflow 2.10 makes
+    no span current in a task; the hook passes the ids of the span it
+    exports for the task), else nothing."""
+    carrier: Dict[str, str] = {}
     try:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     except ImportError:
-        return {}
-    carrier: Dict[str, str] = {}
-    # Injects nothing when the current span's context is not valid.
-    TraceContextTextMapPropagator().inject(carrier)
+        pass
+    else:
+        # Injects nothing when the current span's context is not valid.
+        TraceContextTextMapPropagator().inject(carrier)
+    if not carrier.get("traceparent"):
+        carrier = dict(fallback or {})
     return {key: carrier[key] for key in ("traceparent", "tracestate") if carrier.get(key)}
 
 

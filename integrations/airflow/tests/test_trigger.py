@@ -54,6 +54,7 @@ def test_serialize_round_trip() -> None:
         "min_completion": 1,
         "newsnack_conn_id": "nn",
         "give_up_after_s": 10.0,
+        "trace_context": None,
     }
 
 

@@ -5,14 +5,19 @@ The connection (``newsnack_default`` unless told otherwise) gives host,
 port, schema (``http`` or ``https``, default ``http``) and the API token as
 its password. A host written as a full URL is used as it is. A connection of
 type ``http`` (the HTTP provider's) is read the same way.
+
+Its requests carry the current span's trace context, or inside a task on
+Airflow 2.10 (which makes no span current) that of the span Airflow exports
+for the task instance (:func:`~newsnack_provider._compat.task_trace_headers`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
 from newsnack_provider import CONNECTION_FORM
-from newsnack_provider._compat import AirflowException, BaseHook, async_get_connection
+from newsnack_provider._compat import AirflowException, BaseHook, async_get_connection, task_trace_headers
 from newsnack_provider.api import Service
 
 #: The connection types this hook reads.
@@ -62,8 +67,10 @@ class NewsnackHook(BaseHook):
         return dict(CONNECTION_FORM)
 
     def get_conn(self) -> Service:
-        """The service, from the connection (looked up each call)."""
-        return service_of(self.get_connection(self.newsnack_conn_id))
+        """The service, from the connection (looked up each call), sending
+        the running task's trace context when no span is current."""
+        service = service_of(self.get_connection(self.newsnack_conn_id))
+        return replace(service, fallback_trace=task_trace_headers())
 
     async def aget_conn(self) -> Service:
         """:meth:`get_conn` without blocking an event loop."""

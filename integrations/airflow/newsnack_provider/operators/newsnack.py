@@ -10,8 +10,9 @@ with an absolute deadline: `timeout_s` after the upstream claim step
 answered (it records when under the XCom key :data:`CLAIMED_AT_XCOM`), so a
 retried wait task keeps the first try's deadline; with no claim step
 upstream, `timeout_s` after the task first defers. ``deferrable=False``
-sends one blocking ``POST /waits`` from the worker instead. ``all_pass`` and
-``timeout_pass`` return the wait's JSON (its ``completed`` ids go on to the
+sends one blocking ``POST /waits`` from the worker instead. A deferred wait
+hands the task's trace context to the trigger (Airflow 2.10's triggerer
+knows no task). ``all_pass`` and ``timeout_pass`` return the wait's JSON (its ``completed`` ids go on to the
 briefing; a deferred wait also records its deadline and when the service
 answered under the XCom key :data:`DECISION_XCOM`), ``skip`` raises ``AirflowSkipException``, an error
 ``AirflowException`` with the service's message.
@@ -164,6 +165,7 @@ class NewsnackWaitOperator(BaseOperator):
                 deadline=rfc3339(deadline),
                 min_completion=self.min_completion,
                 newsnack_conn_id=self.newsnack_conn_id,
+                trace_context=service.trace_headers() or None,
             ),
             method_name="execute_complete",
             # A backstop: the trigger itself ends by GIVE_UP_AFTER_S past the deadline.

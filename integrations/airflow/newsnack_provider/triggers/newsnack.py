@@ -8,6 +8,11 @@ run twice at once after a failover asks for the same deadline and gets the
 same answer: the service decides by the same rule at the same moment, and a
 deadline already past is decided at once.
 
+Its request carries the trigger's current span's trace context (Airflow 3
+makes ``trigger.<task_id>`` current), or when none is current the task's,
+which the operator passes as ``trace_context`` when it defers (Airflow 2.10's
+triggerer knows no task). A trigger serialised without it sends none.
+
 It never blocks the triggerer's loop (``aiohttp``; the connection through
 Airflow's async lookup). When the service is unreachable or answers 503 it
 asks again with backoff (:data:`FIRST_RETRY_S` doubling up to
@@ -21,8 +26,9 @@ The event's payload is ``{"status": "success", "wait": <the wait's JSON>,
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
 
 import aiohttp
 
@@ -41,7 +47,8 @@ GIVE_UP_AFTER_S = 10.0
 class NewsnackWaitTrigger(BaseTrigger):
     """Waits for `issue_ids` until `deadline` (RFC 3339) by the
     `min_completion` rule (None: the service's setting), through the
-    connection `newsnack_conn_id`."""
+    connection `newsnack_conn_id`; `trace_context` (``traceparent`` and
+    perhaps ``tracestate``) is sent when no span is current."""
 
     def __init__(
         self,
@@ -50,6 +57,7 @@ class NewsnackWaitTrigger(BaseTrigger):
         min_completion: Optional[int] = None,
         newsnack_conn_id: str = NewsnackHook.default_conn_name,
         give_up_after_s: float = GIVE_UP_AFTER_S,
+        trace_context: Optional[Mapping[str, str]] = None,
     ) -> None:
         super().__init__()
         self.issue_ids = [int(i) for i in issue_ids]
@@ -58,6 +66,7 @@ class NewsnackWaitTrigger(BaseTrigger):
         self.min_completion = min_completion
         self.newsnack_conn_id = newsnack_conn_id
         self.give_up_after_s = give_up_after_s
+        self.trace_context = dict(trace_context) if trace_context else None
 
     def serialize(self) -> Tuple[str, Dict[str, Any]]:
         return (
@@ -68,6 +77,7 @@ class NewsnackWaitTrigger(BaseTrigger):
                 "min_completion": self.min_completion,
                 "newsnack_conn_id": self.newsnack_conn_id,
                 "give_up_after_s": self.give_up_after_s,
+                "trace_context": self.trace_context,
             },
         )
 
@@ -78,6 +88,7 @@ class NewsnackWaitTrigger(BaseTrigger):
         """The event's payload (see the module docs)."""
         try:
             service = await NewsnackHook(self.newsnack_conn_id).aget_conn()
+            service = replace(service, fallback_trace=self.trace_context or {})
         except Exception as e:  # unknown connection, or one newsnack cannot read
             return error(f"connection {self.newsnack_conn_id!r}: {e}", None)
         deadline = parse_rfc3339(self.deadline)
