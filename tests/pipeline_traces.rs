@@ -3,7 +3,9 @@
 //! and briefing as children, the articles it claimed are generated under
 //! its claim, and its wait is linked into each article's generation,
 //! where the database last kept its context, including one claimed by
-//! another caller, in that caller's trace.
+//! another caller, in that caller's trace. A manual run (`newsnack
+//! run-pipeline`, a process that ends with it) is one trace too, and its
+//! spans leave before the process does.
 
 mod common;
 
@@ -11,7 +13,7 @@ use std::collections::BTreeMap;
 
 use common::fake_llm::{FakeLlm, Reply};
 use common::otlp::{Receiver, Span};
-use common::process::ServeProcess;
+use common::process::{self, ServeProcess};
 use common::{until_sql, until_sql_polled, TestDb};
 use serde_json::{json, Value};
 
@@ -254,4 +256,73 @@ async fn a_scheduled_run_is_one_trace_linked_to_the_articles_it_waited_for() {
     for link in &wait.links {
         assert_eq!(link.attributes["newsnack.link"], "waited_for", "{link:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_run_is_one_trace_exported_before_its_process_ends() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new().await;
+    db.set("content_gen_timeout_s", "60").await;
+    let ids = db.add_issues(3).await;
+    // The built-in writer: no LLM to wait for. The batch delay is the
+    // SDK's default (5 s), longer than the run: only the exit's flush
+    // sends the spans in time.
+    let output = tokio::task::block_in_place(|| {
+        process::command(&db.url, &["run-pipeline"])
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.http)
+            .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+            .output()
+            .expect("run newsnack run-pipeline")
+    });
+    assert!(output.status.success(), "{}", process::text(&output.stderr));
+    let summary: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(summary["outcome"], "all_pass", "{summary}");
+    let run_id = summary["run_id"].to_string();
+
+    let spans = receiver
+        .until("the manual run's trace", |spans| {
+            spans.iter().any(|s| {
+                s.name == "pipeline run" && s.attributes.get("newsnack.run_id") == Some(&run_id)
+            })
+        })
+        .await;
+    let root = spans
+        .iter()
+        .find(|s| s.name == "pipeline run" && s.attributes["newsnack.run_id"] == run_id)
+        .unwrap();
+    assert_eq!(root.parent_id, "", "the run is a root: {root:?}");
+    assert_eq!(root.attributes["newsnack.trigger"], "manual");
+    assert_eq!(root.attributes["newsnack.outcome"], "all_pass");
+    let in_run = |name: &str| -> Vec<&Span> {
+        spans
+            .iter()
+            .filter(|s| s.trace_id == root.trace_id && s.name == name)
+            .collect()
+    };
+    for step in ["select", "claim", "wait", "briefing"] {
+        let found = in_run(step);
+        assert!(!found.is_empty(), "no {step} span in the run: {spans:#?}");
+        assert!(
+            found.iter().all(|s| s.parent_id == root.id),
+            "{step} is the run's: {found:#?}"
+        );
+    }
+    let generated: Vec<String> = in_run("generate")
+        .iter()
+        .map(|s| s.attributes["newsnack.issue_id"].clone())
+        .collect();
+    let mut expected: Vec<String> = ids.iter().map(i64::to_string).collect();
+    let mut generated_sorted = generated.clone();
+    generated_sorted.sort();
+    expected.sort();
+    assert_eq!(
+        generated_sorted, expected,
+        "each article's generation is in the run's trace"
+    );
+    assert_eq!(
+        in_run("wait")[0].links.len(),
+        ids.len(),
+        "{:#?}",
+        in_run("wait")[0]
+    );
 }
