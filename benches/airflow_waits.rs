@@ -7,11 +7,12 @@
 //! loop (`benches/airflow_waits.py`, in the Airflow 3 venv the tests
 //! cache), as one triggerer process holds them; `raw` sends the same
 //! `POST /waits` with aiohttp alone, the service's own wait seen from the
-//! same kind of client. Once the service's hub counts every wait's watch, the Python process's resident memory is read (its
-//! growth over the warmed-up process, per wait), one `UPDATE` commits every
-//! issue `DONE`, and each wait's latency runs from that commit's
-//! acknowledgement to the moment its answer (the trigger's event) arrived
-//! (both wall clocks of this machine).
+//! same kind of client, run second (`BENCH_RAW_FIRST=1`: first). Once
+//! the service's hub counts every wait's watch, the Python process's
+//! resident memory is read (its growth over the warmed-up process, per
+//! wait), one `UPDATE` commits every issue `DONE`, and each wait's latency
+//! runs from that commit's acknowledgement to the moment its answer (the
+//! trigger's event) arrived (both wall clocks of this machine).
 //!
 //! `cargo bench --bench airflow_waits`
 
@@ -53,13 +54,21 @@ async fn main() {
     .expect("start the service");
     let db = connect(&url).await;
     let mut results = serde_json::Map::new();
-    for way in ["trigger", "raw"] {
+    // The second way meets a service the first has warmed up:
+    // BENCH_RAW_FIRST=1 swaps them, to tell order from way.
+    let order = if knob("BENCH_RAW_FIRST", 0) == 1 {
+        ["raw", "trigger"]
+    } else {
+        ["trigger", "raw"]
+    };
+    for way in order {
         let ids = in_progress(&db, waits + 5).await;
         results.insert(way.into(), run(&bin, way, &service, &db, &ids).await);
     }
     let report = json!({
         "benchmark": "deferred waits: one asyncio loop of NewsnackWaitTrigger.run() beside plain POST /waits",
         "waits": waits,
+        "order": order,
         "ways": results,
     });
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
