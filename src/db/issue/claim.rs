@@ -128,7 +128,7 @@ pub async fn claim_issues_traced(
         ClaimScope::RetryBelow(max) => Some(max),
     };
     let lease_s = lease.as_secs_f64();
-    let contexts = super::contexts_setting(ids, traceparents);
+    let contexts = super::contexts_setting(ids.iter().copied().zip(traceparents.iter().copied()));
     let params: &crate::db::TypedParams<'_> = &[
         (&ids, Type::INT8_ARRAY),
         (&worker, Type::TEXT),

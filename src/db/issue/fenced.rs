@@ -154,9 +154,12 @@ pub async fn complete_in_contexts(
     contexts: &[Option<String>],
     writer: &str,
 ) -> Result<Vec<Fenced>, DbError> {
-    let ids: Vec<i64> = completions.iter().map(|c| c.id).collect();
-    let contexts: Vec<Option<&str>> = contexts.iter().map(Option::as_deref).collect();
-    let contexts = super::contexts_setting(&ids, &contexts);
+    let contexts = super::contexts_setting(
+        completions
+            .iter()
+            .map(|c| c.id)
+            .zip(contexts.iter().map(Option::as_deref)),
+    );
     let column = |f: fn(&Completion) -> i64| completions.iter().map(f).collect::<Vec<_>>();
     let text = |f: fn(&Completion) -> &str| completions.iter().map(f).collect::<Vec<_>>();
     let tokens = |f: fn(&Completion) -> Option<i32>| completions.iter().map(f).collect::<Vec<_>>();

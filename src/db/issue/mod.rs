@@ -32,13 +32,16 @@ use crate::model::status::Status;
 
 /// The issues' trace contexts as the claim and the completion take them
 /// (`,<id>=<traceparent>,..`, which `issue_transition_record` reads,
-/// migrations 37 and 38): `traceparents[i]` is `ids[i]`'s; `None` when
+/// migrations 37 and 38), from each issue's id and context; `None` when
 /// no issue has one.
-fn contexts_setting(ids: &[i64], traceparents: &[Option<&str>]) -> Option<String> {
+fn contexts_setting<'a>(
+    contexts: impl IntoIterator<Item = (i64, Option<&'a str>)>,
+) -> Option<String> {
+    use std::fmt::Write as _;
     let mut named = String::new();
-    for (id, traceparent) in ids.iter().zip(traceparents) {
+    for (id, traceparent) in contexts {
         if let Some(traceparent) = traceparent {
-            named.push_str(&format!(",{id}={traceparent}"));
+            let _ = write!(named, ",{id}={traceparent}");
         }
     }
     (!named.is_empty()).then_some(named)
